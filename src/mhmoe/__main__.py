@@ -1,0 +1,5 @@
+"""`python -m mhmoe`: the same as the `mhmoe` command."""
+
+from .cli import main
+
+raise SystemExit(main())

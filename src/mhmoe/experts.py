@@ -1,0 +1,94 @@
+"""`expert_forward()` and `swiglu7()`: the expert MLPs of every route (SPEC section 4)."""
+
+from __future__ import annotations
+
+import torch
+
+from .reference import expert_forward_reference, swiglu7_reference
+
+BACKENDS = ("auto", "torch")
+
+
+def swiglu7(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU7 of the gate and up accumulators (any matching shapes, float).
+
+    a = min(g, 7) * sigmoid(1.702 * min(g, 7)) * (clamp(u, -7, 7) + 1)
+    """
+    if gate.shape != up.shape:
+        raise ValueError(f"swiglu7: gate and up shapes differ: {tuple(gate.shape)} vs "
+                         f"{tuple(up.shape)}")
+    if not (gate.dtype.is_floating_point and up.dtype.is_floating_point):
+        raise ValueError(f"swiglu7: gate and up must be floating point, got {gate.dtype} and "
+                         f"{up.dtype}")
+    return swiglu7_reference(gate, up)
+
+
+def check_expert_inputs(x_heads, gather_ids, sorted_probs, offsets, w_gate, w_up, w_down) -> None:
+    """Shape, dtype and device checks of `expert_forward`; reads nothing back from the device."""
+    if x_heads.dim() != 3:
+        raise ValueError(f"expert_forward: x_heads must be [S, H, D], got {tuple(x_heads.shape)}")
+    S, H, D = x_heads.shape
+    if w_gate.dim() != 3 or w_up.shape != w_gate.shape:
+        raise ValueError(f"expert_forward: w_gate and w_up must both be [H*E, D, I], got "
+                         f"{tuple(w_gate.shape)} and {tuple(w_up.shape)}")
+    F, Dw, I = w_gate.shape
+    if Dw != D:
+        raise ValueError(f"expert_forward: w_gate is [{F}, {Dw}, {I}] but x_heads has D={D}")
+    if H == 0 or F % H:
+        raise ValueError(f"expert_forward: {F} flat experts do not split over H={H} heads")
+    if tuple(w_down.shape) != (F, I, D):
+        raise ValueError(f"expert_forward: w_down must be [{F}, {I}, {D}], got "
+                         f"{tuple(w_down.shape)}")
+    if tuple(offsets.shape) != (F + 1,):
+        raise ValueError(f"expert_forward: offsets must be [{F + 1}], got {tuple(offsets.shape)}")
+    if gather_ids.dim() != 1 or sorted_probs.shape != gather_ids.shape:
+        raise ValueError(f"expert_forward: gather_ids and sorted_probs must both be [R], got "
+                         f"{tuple(gather_ids.shape)} and {tuple(sorted_probs.shape)}")
+    for name, t in (("gather_ids", gather_ids), ("offsets", offsets)):
+        if t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"expert_forward: {name} must be int32 or int64, got {t.dtype}")
+    for name, t in (("x_heads", x_heads), ("sorted_probs", sorted_probs), ("w_gate", w_gate),
+                    ("w_up", w_up), ("w_down", w_down)):
+        if not t.dtype.is_floating_point:
+            raise ValueError(f"expert_forward: {name} must be floating point, got {t.dtype}")
+    if not (w_gate.dtype == w_up.dtype == w_down.dtype):
+        raise ValueError(f"expert_forward: weight dtypes differ: {w_gate.dtype}, {w_up.dtype}, "
+                         f"{w_down.dtype}")
+    devices = {t.device for t in (x_heads, gather_ids, sorted_probs, offsets, w_gate, w_up,
+                                  w_down)}
+    if len(devices) != 1:
+        raise ValueError(f"expert_forward: inputs are on several devices: "
+                         f"{sorted(map(str, devices))}")
+
+
+def expert_forward(
+    x_heads: torch.Tensor,
+    gather_ids: torch.Tensor,
+    sorted_probs: torch.Tensor,
+    offsets: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    deterministic: bool = False,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Run every route through its expert and sum the K routes of each (token, head).
+
+    x_heads: [S, H, D]; gather_ids: [R] int32 token of each route;
+    sorted_probs: [R] float32; offsets: [H*E + 1] int64 (see `RouteLayout`);
+    w_gate, w_up: [H*E, D, I]; w_down: [H*E, I, D]
+    returns y_heads [S, H, D] in x_heads' dtype.
+
+    deterministic: the result is bitwise reproducible and independent of the
+    order of the routes within an expert. The PyTorch path always is (it sums
+    the routes of a (token, head) in ascending expert order), so the flag
+    changes nothing there.
+    backend: "auto" or "torch". The PyTorch path reads `offsets` on the host
+    once per call; the fused GPU kernel is tracked in issue 3.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"expert_forward: backend must be one of {BACKENDS}, got {backend!r}")
+    check_expert_inputs(x_heads, gather_ids, sorted_probs, offsets, w_gate, w_up, w_down)
+    del deterministic  # the PyTorch path is deterministic by construction (see above)
+    return expert_forward_reference(x_heads, gather_ids, sorted_probs, offsets, w_gate, w_up,
+                                    w_down)

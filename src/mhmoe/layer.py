@@ -1,0 +1,181 @@
+"""`MultiHeadMoE`: the layer as an nn.Module, with the MAGI-2 parameter names."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .config import BIAS_SOURCES, MultiHeadMoEConfig
+from .experts import expert_forward
+from .parallel import HeadPartition
+from .routing import route, sort_routes
+
+BIAS_SOURCE_ENV = "MAGI2_ROUTER_BIAS_SOURCE"
+DETERMINISTIC_ENV = "MAGI2_DETERMINISTIC"
+
+
+def bias_source_from_env(default: str) -> str:
+    """`MAGI2_ROUTER_BIAS_SOURCE` (main|ema) if set, else `default`."""
+    value = os.environ.get(BIAS_SOURCE_ENV, "").strip().lower()
+    if not value:
+        return default
+    if value not in BIAS_SOURCES:
+        raise ValueError(f"{BIAS_SOURCE_ENV}={value!r}: expected one of {BIAS_SOURCES}")
+    return value
+
+
+def deterministic_from_env(default: bool) -> bool:
+    """`MAGI2_DETERMINISTIC` (1/0, true/false) if set, else `default`."""
+    value = os.environ.get(DETERMINISTIC_ENV, "").strip().lower()
+    if not value:
+        return default
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{DETERMINISTIC_ENV}={value!r}: expected 1 or 0")
+
+
+class RouterBiases(nn.Module):
+    """The auxiliary-loss-free selection biases; checkpoint keys `router.*`."""
+
+    def __init__(self, rows: int, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        # Parameters (not buffers) to match the published module's named_parameters;
+        # never trained: they shift expert selection, which has no gradient.
+        self.expert_bias = nn.Parameter(torch.zeros(rows, device=device), requires_grad=False)
+        self.expert_bias_ema = nn.Parameter(torch.zeros(rows, device=device), requires_grad=False)
+
+
+class MultiHeadMoE(nn.Module):
+    """A multi-head mixture-of-experts layer (SPEC section 5).
+
+    x: [..., hidden_size] -> y: same shape and dtype.
+
+    With `group` (or an explicit `partition`), this rank holds only the heads of its
+    `HeadPartition`
+    (padding heads included, zero-initialised): `local_flat = local_heads * E`
+    rows of every per-expert tensor.
+
+    Parameters (checkpoint names):
+      gate         [local_flat, D] float32
+      W_gate, W_up [local_flat, D, I] params_dtype
+      W_down       [local_flat, I, D] params_dtype
+      router.expert_bias, router.expert_bias_ema [local_flat] float32, frozen
+    """
+
+    def __init__(
+        self,
+        config: MultiHeadMoEConfig,
+        group: dist.ProcessGroup | None = None,
+        *,
+        device: torch.device | str | None = None,
+        backend: str = "auto",
+        partition: HeadPartition | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(config, MultiHeadMoEConfig):
+            raise TypeError(f"MultiHeadMoE: config must be a MultiHeadMoEConfig, got "
+                            f"{type(config).__name__}")
+        self.config = config
+        self.group = group
+        self.backend = backend
+        if partition is None:
+            partition = HeadPartition.of_group(config.num_heads, group)
+        elif group is not None and partition != HeadPartition.of_group(config.num_heads, group):
+            raise ValueError(f"MultiHeadMoE: partition {partition} does not match the rank of "
+                             f"the group")
+        elif partition.num_heads != config.num_heads:
+            raise ValueError(f"MultiHeadMoE: partition is for {partition.num_heads} heads, the "
+                             f"config has {config.num_heads}")
+        # `partition` without `group`: one rank's parameters, e.g. to load or inspect its
+        # slice of a checkpoint; such a module cannot run a head-parallel forward.
+        self.partition = partition
+        rows = self.partition.local_heads * config.num_experts
+        D, I = config.head_dim, config.expert_intermediate_size
+        dtype = config.params_dtype
+        self.gate = nn.Parameter(torch.empty(rows, D, dtype=torch.float32, device=device))
+        self.W_gate = nn.Parameter(torch.empty(rows, D, I, dtype=dtype, device=device))
+        self.W_up = nn.Parameter(torch.empty(rows, D, I, dtype=dtype, device=device))
+        self.W_down = nn.Parameter(torch.empty(rows, I, D, dtype=dtype, device=device))
+        self.router = RouterBiases(rows, device=device)
+        if self.gate.device.type != "meta":
+            self.reset_parameters()
+
+    @property
+    def local_heads(self) -> int:
+        return self.partition.local_heads
+
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        """Normal weights scaled by 1/sqrt(fan_in); padding heads stay zero."""
+        cfg = self.config
+        D, I = cfg.head_dim, cfg.expert_intermediate_size
+        real_rows = self.partition.real_heads * cfg.num_experts
+        with torch.no_grad():
+            for param, fan_in in ((self.gate, D), (self.W_gate, D), (self.W_up, D),
+                                  (self.W_down, I)):
+                values = torch.randn(param.shape, generator=generator, dtype=torch.float32,
+                                     device="cpu" if generator is not None else param.device)
+                values[real_rows:] = 0
+                param.copy_(values.mul_(fan_in ** -0.5))
+            self.router.expert_bias.zero_()
+            self.router.expert_bias_ema.zero_()
+
+    @property
+    def bias_source(self) -> str:
+        return bias_source_from_env(self.config.bias_source)
+
+    @property
+    def deterministic(self) -> bool:
+        return deterministic_from_env(self.config.deterministic)
+
+    def selection_bias(self) -> torch.Tensor:
+        """The bias that shifts selection: `expert_bias_ema` or `expert_bias`."""
+        if self.bias_source == "ema":
+            return self.router.expert_bias_ema
+        return self.router.expert_bias
+
+    def route_heads(self, x_heads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Routing of local heads. x_heads: [S, local_heads, D] -> probs, indices [Hl, S, K]."""
+        cfg = self.config
+        Hl = self.partition.local_heads
+        gate = self.gate.view(Hl, cfg.num_experts, cfg.head_dim)
+        logits = torch.bmm(x_heads.transpose(0, 1).float(), gate.transpose(1, 2))
+        return route(logits, cfg.top_k, cfg.score_func,
+                     expert_bias=self.selection_bias().view(Hl, cfg.num_experts),
+                     route_norm=cfg.route_norm, norm_eps=cfg.norm_eps,
+                     route_scale=cfg.route_scale, num_groups=cfg.num_groups,
+                     topk_groups=cfg.topk_groups)
+
+    def forward_heads(self, x_heads: torch.Tensor) -> torch.Tensor:
+        """The layer on this rank's heads. x_heads: [S, local_heads, D] -> same."""
+        probs, indices = self.route_heads(x_heads)
+        layout = sort_routes(probs, indices, self.config.num_experts)
+        return expert_forward(x_heads, *layout, self.W_gate, self.W_up, self.W_down,
+                              deterministic=self.deterministic, backend=self.backend)
+
+    def forward(self, x: torch.Tensor, token_counts: list[int] | None = None) -> torch.Tensor:
+        cfg = self.config
+        if x.dim() == 0 or x.shape[-1] != cfg.hidden_size:
+            raise ValueError(f"MultiHeadMoE: input must be [..., {cfg.hidden_size}], got "
+                             f"{tuple(x.shape)}")
+        if not x.dtype.is_floating_point:
+            raise ValueError(f"MultiHeadMoE: input must be floating point, got {x.dtype}")
+        if self.partition.world_size > 1 or token_counts is not None:
+            raise NotImplementedError(
+                "MultiHeadMoE: head-parallel forward over a process group of more than one "
+                "rank is not implemented yet (issue 6); only the per-rank parameters are")
+        lead = x.shape[:-1]
+        x_heads = x.reshape(-1, cfg.num_heads, cfg.head_dim)
+        y = self.forward_heads(x_heads)
+        return y.reshape(*lead, cfg.hidden_size)
+
+    def extra_repr(self) -> str:
+        cfg = self.config
+        p = self.partition
+        return (f"hidden={cfg.hidden_size}, heads={cfg.num_heads} (local {p.local_heads} from "
+                f"{p.start}), experts={cfg.num_experts}, top_k={cfg.top_k}, "
+                f"intermediate={cfg.expert_intermediate_size}, dtype={cfg.params_dtype}")

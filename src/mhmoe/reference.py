@@ -1,0 +1,158 @@
+"""Pure-PyTorch twins of every op: the portable path and the oracle.
+
+These functions run on any device and in any floating dtype (float64
+included). They follow SPEC sections 2 to 4 operation by operation, so the
+Triton kernels are checked against them and users without a GPU get the same
+numbers. Argument checking lives in the public wrappers (`routing.py`,
+`experts.py`); the functions here assume valid input.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """float64 if any input is float64, else float32: the accumulator type."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def route_reference(
+    logits: torch.Tensor,
+    top_k: int,
+    score_func: str = "sigmoid",
+    expert_bias: torch.Tensor | None = None,
+    route_norm: bool = True,
+    norm_eps: float = 1e-12,
+    route_scale: float = 1.0,
+    num_groups: int = 1,
+    topk_groups: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k routing of every (head, token) row.
+
+    logits: [H, S, E] float32 (float64 is kept as float64)
+    expert_bias: [H, E] or [H * E], added to the scores for selection only
+    returns probs [H, S, K] (logits' float type), indices [H, S, K] int64
+
+    Ties go to the lower expert id (a stable descending sort). A NaN score is
+    treated as -inf for selection, so it is picked only when a row has fewer
+    than K other experts; the probability gathered for it is NaN, which makes
+    that row's normalised probabilities NaN. Other rows are untouched and
+    indices always lie in [0, E).
+    """
+    H, S, E = logits.shape
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    logits = logits.to(dtype)
+    if score_func == "sigmoid":
+        scores = torch.sigmoid(logits)
+    else:
+        scores = torch.softmax(logits, dim=-1)
+    select = scores
+    if expert_bias is not None:
+        select = scores + expert_bias.to(dtype).reshape(H, 1, E)
+    select = torch.where(torch.isnan(select), float("-inf"), select)
+    if num_groups > 1:
+        select = _limit_to_groups(select, num_groups, topk_groups)
+    indices = torch.sort(select, dim=-1, descending=True, stable=True).indices[..., :top_k]
+    probs = scores.gather(-1, indices)
+    if route_norm:
+        # Summed left to right in selection order, as the published code does.
+        total = probs[..., 0]
+        for k in range(1, top_k):
+            total = total + probs[..., k]
+        probs = probs / total.clamp_min(norm_eps).unsqueeze(-1)
+    probs = probs * route_scale
+    return probs, indices
+
+
+def _limit_to_groups(select: torch.Tensor, num_groups: int, topk_groups: int) -> torch.Tensor:
+    """Zero the selection scores of experts outside the best `topk_groups` groups."""
+    H, S, E = select.shape
+    grouped = select.reshape(H, S, num_groups, E // num_groups)
+    best = torch.sort(grouped, dim=-1, descending=True, stable=True).values
+    group_scores = best[..., 0]
+    if grouped.shape[-1] > 1:
+        group_scores = group_scores + best[..., 1]
+    group_scores = torch.where(torch.isnan(group_scores), float("-inf"), group_scores)
+    kept = torch.sort(group_scores, dim=-1, descending=True, stable=True).indices[..., :topk_groups]
+    keep = torch.zeros(H, S, num_groups, dtype=torch.bool, device=select.device)
+    keep.scatter_(-1, kept, True)
+    return torch.where(keep.unsqueeze(-1), grouped, 0.0).reshape(H, S, E)
+
+
+def sort_routes_reference(
+    probs: torch.Tensor, indices: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """CSR layout of the routes by flat expert id `h * E + e` (SPEC section 3).
+
+    probs, indices: [H, S, K]
+    returns gather_ids [H*S*K] int32 (token of each route), sorted_probs
+    [H*S*K] float32 (float64 kept), offsets [H*E + 1] int64.
+
+    A stable sort keeps the (h, s, k) order inside one expert, so its routes
+    come in ascending token order. The offsets come from a binary search of
+    the sorted ids, not a bincount, so nothing is read back to the host.
+    """
+    H, S, K = indices.shape
+    device = indices.device
+    heads = torch.arange(H, device=device, dtype=torch.int64).view(H, 1, 1)
+    flat = (indices.to(torch.int64) + heads * num_experts).reshape(-1)
+    sorted_flat, order = torch.sort(flat, stable=True)
+    gather_ids = torch.div(order, K, rounding_mode="floor").remainder_(max(S, 1)).to(torch.int32)
+    prob_dtype = torch.float64 if probs.dtype == torch.float64 else torch.float32
+    sorted_probs = probs.reshape(-1).to(prob_dtype)[order]
+    bounds = torch.arange(H * num_experts + 1, device=device, dtype=torch.int64)
+    offsets = torch.searchsorted(sorted_flat, bounds)
+    return gather_ids, sorted_probs, offsets
+
+
+def swiglu7_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU clamped at 7: min(g, 7) * sigmoid(1.702 min(g, 7)) * (clamp(u, -7, 7) + 1)."""
+    g = torch.clamp(gate, max=7.0)
+    u = torch.clamp(up, min=-7.0, max=7.0)
+    return g * torch.sigmoid(1.702 * g) * (u + 1.0)
+
+
+def expert_forward_reference(
+    x_heads: torch.Tensor,
+    gather_ids: torch.Tensor,
+    sorted_probs: torch.Tensor,
+    offsets: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+) -> torch.Tensor:
+    """The expert MLPs of every route, weighted and summed per (token, head).
+
+    x_heads: [S, H, D]; gather_ids [R] int; sorted_probs [R]; offsets [H*E + 1]
+    w_gate, w_up: [H*E, D, I]; w_down: [H*E, I, D]
+    returns [S, H, D] in x_heads' dtype.
+
+    GEMMs run on upcast operands (float32, or float64 if any input is), which
+    is what fp32 accumulation of bf16 products computes up to summation order.
+    One expert at a time, so this path reads `offsets` on the host once. The
+    per-expert adds go in ascending expert order and no (token, head) appears
+    twice within one expert, so the sum of the K routes of a (token, head) has
+    a fixed order: the result is the same whatever the order of the tokens.
+    """
+    S, H, D = x_heads.shape
+    num_flat = w_gate.shape[0]
+    num_experts = num_flat // H if H else 0
+    acc = compute_dtype(x_heads, w_gate, sorted_probs)
+    out = torch.zeros(S * H, D, dtype=acc, device=x_heads.device)
+    if S == 0 or num_flat == 0:
+        return out.view(S, H, D).to(x_heads.dtype)
+    bounds = offsets.tolist()
+    for f in range(num_flat):
+        start, end = bounds[f], bounds[f + 1]
+        if start == end:
+            continue
+        head = f // num_experts
+        tokens = gather_ids[start:end].to(torch.int64)
+        xe = x_heads[tokens, head].to(acc)
+        g = xe @ w_gate[f].to(acc)
+        u = xe @ w_up[f].to(acc)
+        a = swiglu7_reference(g, u).to(w_down.dtype).to(acc)
+        o = (a @ w_down[f].to(acc)) * sorted_probs[start:end, None].to(acc)
+        out.index_add_(0, tokens * H + head, o)
+    return out.view(S, H, D).to(x_heads.dtype)
