@@ -58,15 +58,18 @@ class MultiHeadMoEConfig:
             raise ValueError(
                 f"MultiHeadMoEConfig.top_k ({self.top_k}) must not exceed num_experts "
                 f"({self.num_experts})")
-        if not isinstance(self.params_dtype, torch.dtype) or not self.params_dtype.is_floating_point:
+        dtype = self.params_dtype
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ValueError(
                 f"MultiHeadMoEConfig.params_dtype must be a floating torch.dtype, got "
                 f"{self.params_dtype!r}")
         if self.score_func not in SCORE_FUNCS:
             raise ValueError(
-                f"MultiHeadMoEConfig.score_func must be one of {SCORE_FUNCS}, got {self.score_func!r}")
+                f"MultiHeadMoEConfig.score_func must be one of {SCORE_FUNCS}, got "
+                f"{self.score_func!r}")
         if not isinstance(self.route_norm, bool):
-            raise ValueError(f"MultiHeadMoEConfig.route_norm must be a bool, got {self.route_norm!r}")
+            raise ValueError(
+                f"MultiHeadMoEConfig.route_norm must be a bool, got {self.route_norm!r}")
         if not isinstance(self.deterministic, bool):
             raise ValueError(
                 f"MultiHeadMoEConfig.deterministic must be a bool, got {self.deterministic!r}")
@@ -120,7 +123,8 @@ class MultiHeadMoEConfig:
             raise ValueError(f"unknown MultiHeadMoEConfig fields {unknown}")
         dtype = fields.get("params_dtype", "bfloat16")
         if dtype not in _DTYPES:
-            raise ValueError(f"MultiHeadMoEConfig.params_dtype {dtype!r} is not one of {list(_DTYPES)}")
+            raise ValueError(
+                f"MultiHeadMoEConfig.params_dtype {dtype!r} is not one of {list(_DTYPES)}")
         fields["params_dtype"] = _DTYPES[dtype]
         return cls(**fields)
 

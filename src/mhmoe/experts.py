@@ -9,6 +9,23 @@ from .reference import expert_forward_reference, swiglu7_reference
 BACKENDS = ("auto", "torch")
 
 
+def available_backends(device: torch.device | str) -> list[str]:
+    """The expert paths that can run on `device`."""
+    del device
+    return ["torch"]
+
+
+def resolve_backend(backend: str, device: torch.device | str) -> str:
+    """The path `backend` ("auto", "torch", ...) takes on `device`; an error if it cannot run."""
+    if backend not in BACKENDS:
+        raise ValueError(f"expert_forward: backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return available_backends(device)[-1]
+    if backend not in available_backends(device):
+        raise ValueError(f"expert_forward: backend {backend!r} cannot run on {device}")
+    return backend
+
+
 def swiglu7(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """SwiGLU7 of the gate and up accumulators (any matching shapes, float).
 
@@ -27,7 +44,7 @@ def check_expert_inputs(x_heads, gather_ids, sorted_probs, offsets, w_gate, w_up
     """Shape, dtype and device checks of `expert_forward`; reads nothing back from the device."""
     if x_heads.dim() != 3:
         raise ValueError(f"expert_forward: x_heads must be [S, H, D], got {tuple(x_heads.shape)}")
-    S, H, D = x_heads.shape
+    _, H, D = x_heads.shape
     if w_gate.dim() != 3 or w_up.shape != w_gate.shape:
         raise ValueError(f"expert_forward: w_gate and w_up must both be [H*E, D, I], got "
                          f"{tuple(w_gate.shape)} and {tuple(w_up.shape)}")
@@ -86,8 +103,7 @@ def expert_forward(
     backend: "auto" or "torch". The PyTorch path reads `offsets` on the host
     once per call; the fused GPU kernel is tracked in issue 3.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"expert_forward: backend must be one of {BACKENDS}, got {backend!r}")
+    resolve_backend(backend, x_heads.device)
     check_expert_inputs(x_heads, gather_ids, sorted_probs, offsets, w_gate, w_up, w_down)
     del deterministic  # the PyTorch path is deterministic by construction (see above)
     return expert_forward_reference(x_heads, gather_ids, sorted_probs, offsets, w_gate, w_up,

@@ -9,12 +9,13 @@ import torch.distributed as dist
 from torch import nn
 
 from .config import BIAS_SOURCES, MultiHeadMoEConfig
-from .experts import expert_forward
-from .parallel import HeadPartition
+from .experts import BACKENDS, expert_forward
+from .parallel import HeadPartition, dispatch, gather_token_counts, undispatch
 from .routing import route, sort_routes
 
 BIAS_SOURCE_ENV = "MAGI2_ROUTER_BIAS_SOURCE"
 DETERMINISTIC_ENV = "MAGI2_DETERMINISTIC"
+INPUT_MODES = ("sequence", "replicated")
 
 
 def bias_source_from_env(default: str) -> str:
@@ -42,12 +43,15 @@ def deterministic_from_env(default: bool) -> bool:
 class RouterBiases(nn.Module):
     """The auxiliary-loss-free selection biases; checkpoint keys `router.*`."""
 
-    def __init__(self, rows: int, device: torch.device | str | None = None) -> None:
+    def __init__(self, rows: int, device: torch.device | str | None = None,
+                 dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         # Parameters (not buffers) to match the published module's named_parameters;
         # never trained: they shift expert selection, which has no gradient.
-        self.expert_bias = nn.Parameter(torch.zeros(rows, device=device), requires_grad=False)
-        self.expert_bias_ema = nn.Parameter(torch.zeros(rows, device=device), requires_grad=False)
+        self.expert_bias = nn.Parameter(torch.zeros(rows, device=device, dtype=dtype),
+                                        requires_grad=False)
+        self.expert_bias_ema = nn.Parameter(torch.zeros(rows, device=device, dtype=dtype),
+                                            requires_grad=False)
 
 
 class MultiHeadMoE(nn.Module):
@@ -61,10 +65,10 @@ class MultiHeadMoE(nn.Module):
     rows of every per-expert tensor.
 
     Parameters (checkpoint names):
-      gate         [local_flat, D] float32
+      gate         [local_flat, D] float32 (float64 if params_dtype is float64)
       W_gate, W_up [local_flat, D, I] params_dtype
       W_down       [local_flat, I, D] params_dtype
-      router.expert_bias, router.expert_bias_ema [local_flat] float32, frozen
+      router.expert_bias, router.expert_bias_ema [local_flat] float32 (likewise), frozen
     """
 
     def __init__(
@@ -75,14 +79,21 @@ class MultiHeadMoE(nn.Module):
         device: torch.device | str | None = None,
         backend: str = "auto",
         partition: HeadPartition | None = None,
+        input_mode: str = "sequence",
     ) -> None:
         super().__init__()
         if not isinstance(config, MultiHeadMoEConfig):
             raise TypeError(f"MultiHeadMoE: config must be a MultiHeadMoEConfig, got "
                             f"{type(config).__name__}")
+        if backend not in BACKENDS:
+            raise ValueError(f"MultiHeadMoE: backend must be one of {BACKENDS}, got {backend!r}")
+        if input_mode not in INPUT_MODES:
+            raise ValueError(f"MultiHeadMoE: input_mode must be one of {INPUT_MODES}, got "
+                             f"{input_mode!r}")
         self.config = config
         self.group = group
         self.backend = backend
+        self.input_mode = input_mode
         if partition is None:
             partition = HeadPartition.of_group(config.num_heads, group)
         elif group is not None and partition != HeadPartition.of_group(config.num_heads, group):
@@ -97,11 +108,14 @@ class MultiHeadMoE(nn.Module):
         rows = self.partition.local_heads * config.num_experts
         D, I = config.head_dim, config.expert_intermediate_size
         dtype = config.params_dtype
-        self.gate = nn.Parameter(torch.empty(rows, D, dtype=torch.float32, device=device))
+        # The router runs in float32 (SPEC section 2); a float64 layer (used for
+        # gradient checks) keeps its router in float64 too.
+        router_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        self.gate = nn.Parameter(torch.empty(rows, D, dtype=router_dtype, device=device))
         self.W_gate = nn.Parameter(torch.empty(rows, D, I, dtype=dtype, device=device))
         self.W_up = nn.Parameter(torch.empty(rows, D, I, dtype=dtype, device=device))
         self.W_down = nn.Parameter(torch.empty(rows, I, D, dtype=dtype, device=device))
-        self.router = RouterBiases(rows, device=device)
+        self.router = RouterBiases(rows, device=device, dtype=router_dtype)
         if self.gate.device.type != "meta":
             self.reset_parameters()
 
@@ -143,7 +157,7 @@ class MultiHeadMoE(nn.Module):
         cfg = self.config
         Hl = self.partition.local_heads
         gate = self.gate.view(Hl, cfg.num_experts, cfg.head_dim)
-        logits = torch.bmm(x_heads.transpose(0, 1).float(), gate.transpose(1, 2))
+        logits = torch.bmm(x_heads.transpose(0, 1).to(gate.dtype), gate.transpose(1, 2))
         return route(logits, cfg.top_k, cfg.score_func,
                      expert_bias=self.selection_bias().view(Hl, cfg.num_experts),
                      route_norm=cfg.route_norm, norm_eps=cfg.norm_eps,
@@ -158,20 +172,56 @@ class MultiHeadMoE(nn.Module):
                               deterministic=self.deterministic, backend=self.backend)
 
     def forward(self, x: torch.Tensor, token_counts: list[int] | None = None) -> torch.Tensor:
+        """x: [..., hidden] -> [..., hidden], same dtype.
+
+        Head-parallel (`group` of more than one rank), input_mode "sequence":
+        x holds this rank's tokens with all heads; `token_counts` lists every
+        rank's token count (it is gathered with one collective if omitted). One
+        all-to-all sends each rank its heads of all tokens, one brings them
+        back. input_mode "replicated": every rank holds the same tokens and
+        only its own heads, x: [..., local_heads * D]; no communication.
+        """
         cfg = self.config
-        if x.dim() == 0 or x.shape[-1] != cfg.hidden_size:
-            raise ValueError(f"MultiHeadMoE: input must be [..., {cfg.hidden_size}], got "
-                             f"{tuple(x.shape)}")
+        p = self.partition
+        if x.dim() == 0:
+            raise ValueError("MultiHeadMoE: input must be [..., features], got a scalar")
         if not x.dtype.is_floating_point:
             raise ValueError(f"MultiHeadMoE: input must be floating point, got {x.dtype}")
-        if self.partition.world_size > 1 or token_counts is not None:
-            raise NotImplementedError(
-                "MultiHeadMoE: head-parallel forward over a process group of more than one "
-                "rank is not implemented yet (issue 6); only the per-rank parameters are")
+        if p.world_size > 1 and self.group is None:
+            raise ValueError(f"MultiHeadMoE: this module holds rank {p.rank} of {p.world_size} "
+                             f"(built from a partition, without a process group) and cannot "
+                             f"run forward; pass group=")
         lead = x.shape[:-1]
-        x_heads = x.reshape(-1, cfg.num_heads, cfg.head_dim)
-        y = self.forward_heads(x_heads)
-        return y.reshape(*lead, cfg.hidden_size)
+        if self.input_mode == "replicated":
+            width = p.local_heads * cfg.head_dim
+            if x.shape[-1] != width:
+                raise ValueError(f"MultiHeadMoE: replicated input must be [..., local_heads * D "
+                                 f"= {width}] on rank {p.rank}, got {tuple(x.shape)}")
+            y = self.forward_heads(x.reshape(-1, p.local_heads, cfg.head_dim))
+            return y.reshape(*lead, width)
+        if x.shape[-1] != cfg.hidden_size:
+            raise ValueError(f"MultiHeadMoE: input must be [..., {cfg.hidden_size}], got "
+                             f"{tuple(x.shape)}")
+        tokens = x.reshape(-1, cfg.hidden_size)
+        S = tokens.shape[0]
+        if token_counts is not None:
+            token_counts = [int(c) for c in token_counts]
+            if len(token_counts) != p.world_size or token_counts[p.rank] != S or \
+                    min(token_counts) < 0:
+                raise ValueError(f"MultiHeadMoE: token_counts must list the {p.world_size} "
+                                 f"ranks' token counts, with {S} for rank {p.rank}; got "
+                                 f"{token_counts}")
+        if p.world_size == 1:
+            y = self.forward_heads(tokens.view(S, cfg.num_heads, cfg.head_dim))
+            return y.reshape(*lead, cfg.hidden_size)
+        if token_counts is None:
+            token_counts = gather_token_counts(S, x.device, self.group)
+        # Every rank computes all its local heads, padding included (zero weights,
+        # zero output, zero gradient), so all ranks take part in the backward
+        # all-to-alls whatever requires grad.
+        local = dispatch(tokens, p, token_counts, self.group)
+        y_local = self.forward_heads(local)
+        return undispatch(y_local, p, token_counts, self.group).reshape(*lead, cfg.hidden_size)
 
     def extra_repr(self) -> str:
         cfg = self.config

@@ -40,7 +40,7 @@ def route_reference(
     that row's normalised probabilities NaN. Other rows are untouched and
     indices always lie in [0, E).
     """
-    H, S, E = logits.shape
+    H, _, E = logits.shape
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     logits = logits.to(dtype)
     if score_func == "sigmoid":
@@ -156,3 +156,38 @@ def expert_forward_reference(
         o = (a @ w_down[f].to(acc)) * sorted_probs[start:end, None].to(acc)
         out.index_add_(0, tokens * H + head, o)
     return out.view(S, H, D).to(x_heads.dtype)
+
+
+def moe_reference_float64(
+    x_heads: torch.Tensor,
+    probs: torch.Tensor,
+    indices: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+) -> torch.Tensor:
+    """The float64 evaluation of SPEC section 4 from routes, for checking a slice.
+
+    x_heads: [S, H, D]; probs, indices: [H, S, K]; weights as in expert_forward.
+    returns [S, H, D] float64 on the CPU. No rounding of the activation: this is
+    the exact formula the low-precision paths approximate. Only the experts the
+    routes use are upcast, so a few tokens can be checked against a 6 GB layer.
+    """
+    S, H, D = x_heads.shape
+    E = w_gate.shape[0] // H
+    K = indices.shape[-1]
+    x64 = x_heads.detach().to("cpu", torch.float64)
+    flat = (indices.detach().to("cpu", torch.int64)
+            + torch.arange(H).view(H, 1, 1) * E).reshape(-1)
+    p64 = probs.detach().to("cpu", torch.float64).reshape(-1)
+    out = torch.zeros(S * H, D, dtype=torch.float64)
+    for f in torch.unique(flat).tolist():
+        routes = (flat == f).nonzero().flatten()
+        head = f // E
+        tokens = torch.div(routes, K, rounding_mode="floor") % S
+        xe = x64[tokens, head]
+        g = xe @ w_gate[f].detach().to("cpu", torch.float64)
+        u = xe @ w_up[f].detach().to("cpu", torch.float64)
+        o = swiglu7_reference(g, u) @ w_down[f].detach().to("cpu", torch.float64)
+        out.index_add_(0, tokens * H + head, o * p64[routes, None])
+    return out.view(S, H, D)

@@ -64,7 +64,7 @@ def route(
                          f"{tuple(getattr(logits, 'shape', ()))}")
     if not logits.dtype.is_floating_point:
         raise ValueError(f"route: logits must be floating point, got {logits.dtype}")
-    H, S, E = logits.shape
+    H, _, E = logits.shape
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= E:
         raise ValueError(f"route: top_k must be an int in [1, E={E}], got {top_k!r}")
     if score_func not in SCORE_FUNCS:

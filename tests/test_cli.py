@@ -1,0 +1,67 @@
+"""The `mhmoe` command, run as a user would: in a subprocess."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ENV = {**os.environ, "COLUMNS": "200", "PYTHONUNBUFFERED": "1"}
+
+
+def mhmoe(*args, check=True):
+    proc = subprocess.run([sys.executable, "-m", "mhmoe", *args], capture_output=True, text=True,
+                          env=ENV, timeout=600)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"mhmoe {args} exited {proc.returncode}:\n{proc.stdout}\n"
+                             f"{proc.stderr}")
+    return proc
+
+
+def test_demo_prints_its_table():
+    out = mhmoe("demo", "--tokens", "48", "--experts", "2", "--runs", "1").stdout
+    for field in ("device", "path", "tokens", "time", "TFLOP/s", "rel. error"):
+        assert field in out, out
+    err = float(re.search(r"rel\. error\s*\S\s*([0-9.e+-]+)", out).group(1))
+    assert 1e-4 < err < 2e-2, out  # bf16 operands: 1e-3..1e-2 against float64
+    assert "12 heads x 2 experts" in out and "48 (bf16)" in out
+
+
+def test_demo_deterministic_flag():
+    out = mhmoe("demo", "--tokens", "8", "--experts", "2", "--runs", "1",
+                "--deterministic").stdout
+    assert "(deterministic)" in out
+
+
+def test_bench_writes_json_and_png(tmp_path):
+    out_json = tmp_path / "bench.json"
+    out = mhmoe("bench", "--tokens", "8,16", "--experts", "2", "--runs", "1", "--out",
+                str(out_json)).stdout
+    assert "route+CSR ms" in out
+    data = json.loads(out_json.read_text())
+    assert {r["tokens"] for r in data["rows"]} == {8, 16}
+    for row in data["rows"]:
+        assert row["path"] == "torch" and row["experts_ms"] > 0 and row["tflops"] > 0
+        assert row["rel_err"] < 2e-2
+    assert data["environment"]["torch"] and data["config"]["num_experts"] == 2
+    png = out_json.with_suffix(".png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def test_bad_arguments_fail_clearly():
+    proc = mhmoe("demo", "--backend", "warp-drive", "--experts", "2", "--tokens", "4",
+                 check=False)
+    assert proc.returncode == 2 and "backend" in proc.stdout
+    proc = mhmoe("frobnicate", check=False)
+    assert proc.returncode == 2
+
+
+@pytest.mark.parametrize("entry", [["-m", "mhmoe"], ["-c", "from mhmoe.cli import main; main()"]])
+def test_help(entry):
+    proc = subprocess.run([sys.executable, *entry, "--help"], capture_output=True, text=True,
+                          env=ENV)
+    assert proc.returncode == 0
+    for command in ("demo", "bench", "inspect", "make-checkpoint"):
+        assert command in proc.stdout

@@ -1,0 +1,130 @@
+"""swiglu7() and expert_forward() on the PyTorch path against the float64 oracle."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import mhmoe
+from oracle import layer_from_routes, rel_err, swiglu7_oracle
+
+
+def test_swiglu7_matches_oracle(rng):
+    g = torch.randn(64, 48, generator=rng, dtype=torch.float64) * 6
+    u = torch.randn(64, 48, generator=rng, dtype=torch.float64) * 6
+    torch.testing.assert_close(mhmoe.swiglu7(g, u), swiglu7_oracle(g, u), rtol=1e-14, atol=1e-14)
+
+
+def test_swiglu7_clamps_by_hand():
+    g = torch.tensor([10.0, 7.0, 0.0, -3.0], dtype=torch.float64)
+    u = torch.tensor([-10.0, 10.0, 2.0, 0.0], dtype=torch.float64)
+    sig = lambda v: 1 / (1 + torch.exp(torch.tensor(-1.702 * v, dtype=torch.float64)))  # noqa: E731
+    zero = torch.tensor(0.0, dtype=torch.float64)
+    expected = torch.stack([7 * sig(7) * (-6), 7 * sig(7) * 8, zero, -3 * sig(-3) * 1])
+    torch.testing.assert_close(mhmoe.swiglu7(g, u), expected)
+
+
+def make_case(rng, S, H, E, K, D, I, dtype=torch.float64, skew=None):
+    """Random x, weights and routes; `skew` forces every route of head 0 onto expert `skew`."""
+    x = torch.randn(S, H, D, generator=rng, dtype=torch.float64).to(dtype)
+    w_gate = (torch.randn(H * E, D, I, generator=rng, dtype=torch.float64) / D ** 0.5).to(dtype)
+    w_up = (torch.randn(H * E, D, I, generator=rng, dtype=torch.float64) / D ** 0.5).to(dtype)
+    w_down = (torch.randn(H * E, I, D, generator=rng, dtype=torch.float64) / I ** 0.5).to(dtype)
+    logits = torch.randn(H, S, E, generator=rng)
+    probs, indices = mhmoe.route(logits, K, route_scale=2.5)
+    if skew is not None:
+        indices[0, :, 0] = skew
+    return x, probs, indices, (w_gate, w_up, w_down)
+
+
+EDGE_SHAPES = [
+    # S, H, E, K, D, I
+    (0, 2, 3, 2, 16, 16),     # S = 0
+    (1, 1, 1, 1, 8, 8),       # S = 1, one head, one expert, K = 1
+    (5, 3, 4, 4, 12, 20),     # K = E; D and I not powers of two
+    (7, 2, 9, 2, 17, 33),     # odd D and I; experts left empty
+    (11, 4, 6, 3, 32, 48),
+]
+
+
+@pytest.mark.parametrize("S,H,E,K,D,I", EDGE_SHAPES)
+def test_expert_forward_float64_matches_oracle(rng, S, H, E, K, D, I):
+    x, probs, indices, weights = make_case(rng, S, H, E, K, D, I)
+    layout = mhmoe.sort_routes(probs, indices, E)
+    y = mhmoe.expert_forward(x, *layout, *weights)
+    assert y.shape == (S, H, D) and y.dtype == torch.float64
+    ref = layer_from_routes(x, probs, indices, *weights)
+    torch.testing.assert_close(y, ref, rtol=1e-10, atol=1e-12)
+
+
+def test_expert_forward_every_route_on_one_expert(rng):
+    # edge: head 0 sends all S tokens' first route to expert 2; other experts of head 0 get less
+    x, probs, indices, weights = make_case(rng, 9, 2, 5, 2, 16, 24, skew=2)
+    indices[0, :, 1] = 2  # both routes of a token on one expert: a token twice in one expert
+    layout = mhmoe.sort_routes(probs, indices, 5)
+    assert layout.offsets[3] - layout.offsets[2] == 18
+    y = mhmoe.expert_forward(x, *layout, *weights)
+    torch.testing.assert_close(y, layer_from_routes(x, probs, indices, *weights), rtol=1e-10,
+                               atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1.5e-2), (torch.float16, 3e-3),
+                                       (torch.float32, 1e-5)])
+def test_expert_forward_low_precision_error(rng, dtype, tol):
+    S, H, E, K, D, I = 24, 3, 8, 3, 64, 96
+    x, probs, indices, weights = make_case(rng, S, H, E, K, D, I, dtype=dtype)
+    layout = mhmoe.sort_routes(probs, indices, E)
+    y = mhmoe.expert_forward(x, *layout, *weights)
+    assert y.dtype == dtype
+    # The spec's formula with the activation rounded to the weight dtype: the only
+    # rounding the PyTorch path adds is in fp32 accumulation and the final cast.
+    exact = layer_from_routes(x, probs, indices, *weights, act_dtype=dtype)
+    assert rel_err(y, exact) < {torch.bfloat16: 8e-3, torch.float16: 1e-3,
+                                torch.float32: 1e-6}[dtype]
+    # Against the un-rounded float64 formula: the bf16 band of SPEC section 4.
+    assert rel_err(y, layer_from_routes(x, probs, indices, *weights)) < tol
+
+
+def test_expert_forward_is_independent_of_token_order(rng):
+    S, H, E, K, D, I = 33, 2, 4, 3, 16, 32
+    x, probs, indices, weights = make_case(rng, S, H, E, K, D, I, dtype=torch.bfloat16)
+    y = mhmoe.expert_forward(x, *mhmoe.sort_routes(probs, indices, E), *weights,
+                             deterministic=True)
+    perm = torch.randperm(S, generator=rng)
+    layout_perm = mhmoe.sort_routes(probs[:, perm], indices[:, perm], E)
+    y_perm = mhmoe.expert_forward(x[perm], *layout_perm, *weights, deterministic=True)
+    assert torch.equal(y_perm, y[perm])
+    again = mhmoe.expert_forward(x, *mhmoe.sort_routes(probs, indices, E), *weights,
+                                 deterministic=True)
+    assert torch.equal(again, y)
+
+
+@settings(max_examples=25, deadline=None)
+@given(S=st.integers(0, 9), H=st.integers(1, 3), E=st.integers(1, 5), D=st.integers(1, 12),
+       I=st.integers(1, 12), k_frac=st.floats(0, 1), seed=st.integers(0, 2**31 - 1))
+def test_expert_forward_property(S, H, E, D, I, k_frac, seed):
+    K = 1 + int(k_frac * (E - 1))
+    rng = torch.Generator().manual_seed(seed)
+    x, probs, indices, weights = make_case(rng, S, H, E, K, D, I)
+    y = mhmoe.expert_forward(x, *mhmoe.sort_routes(probs, indices, E), *weights)
+    torch.testing.assert_close(y, layer_from_routes(x, probs, indices, *weights), rtol=1e-10,
+                               atol=1e-12)
+
+
+def test_expert_forward_rejects_bad_input(rng):
+    x, probs, indices, (wg, wu, wd) = make_case(rng, 4, 2, 3, 2, 8, 8)
+    layout = mhmoe.sort_routes(probs, indices, 3)
+    cases = [
+        ((x[0], *layout, wg, wu, wd), r"\[S, H, D\]"),
+        ((x, *layout, wg, wu[:, :, :4], wd), "w_gate and w_up"),
+        ((x, *layout, wg[:5], wu[:5], wd[:5]), "do not split over H=2"),
+        ((x, *layout, wg, wu, wd.transpose(1, 2)[:, :4]), "w_down must be"),
+        ((x, layout.gather_ids, layout.sorted_probs, layout.offsets[:-1], wg, wu, wd), "offsets"),
+        ((x, layout.gather_ids.float(), layout.sorted_probs, layout.offsets, wg, wu, wd), "int32"),
+        ((x, *layout, wg, wu.float(), wd), "dtypes differ"),
+    ]
+    for args, message in cases:
+        with pytest.raises(ValueError, match=message):
+            mhmoe.expert_forward(*args)
+    with pytest.raises(ValueError, match="backend"):
+        mhmoe.expert_forward(x, *layout, wg, wu, wd, backend="cuda-magic")

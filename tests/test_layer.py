@@ -1,0 +1,170 @@
+"""MultiHeadMoE: parameters, forward against the oracle, env overrides, shapes."""
+
+import pytest
+import torch
+
+import mhmoe
+from mhmoe import HeadPartition, MultiHeadMoE
+from oracle import layer_from_routes, rel_err, route_row
+
+SMALL = mhmoe.MultiHeadMoEConfig(hidden_size=48, num_heads=3, num_experts=6, top_k=2,
+                                 expert_intermediate_size=24, params_dtype=torch.float32,
+                                 route_scale=4.9)
+
+
+def randomize(layer, rng):
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=rng).to(p.dtype) * 0.5)
+
+
+def oracle_forward(layer, x, bias):
+    """The whole layer in float64 from the spec: logits, routing row by row, experts."""
+    cfg = layer.config
+    H, E, D = cfg.num_heads, cfg.num_experts, cfg.head_dim
+    xh = x.reshape(-1, H, D).double()
+    gate = layer.gate.detach().double().view(H, E, D)
+    logits = torch.einsum("shd,hed->hse", xh, gate)
+    S = xh.shape[0]
+    probs = torch.zeros(H, S, cfg.top_k, dtype=torch.float64)
+    indices = torch.zeros(H, S, cfg.top_k, dtype=torch.int64)
+    for h in range(H):
+        for s in range(S):
+            p, i = route_row(logits[h, s], cfg.top_k, cfg.score_func, bias.view(H, E)[h],
+                             cfg.route_norm, cfg.norm_eps, cfg.route_scale)
+            probs[h, s], indices[h, s] = torch.tensor(p), torch.tensor(i)
+    y = layer_from_routes(xh, probs, indices, layer.W_gate.detach(), layer.W_up.detach(),
+                          layer.W_down.detach())
+    return y.reshape(x.shape), indices
+
+
+def test_parameter_names_shapes_and_dtypes():
+    cfg = mhmoe.MAGI2_PREVIEW.replace(num_experts=4, top_k=2)
+    layer = MultiHeadMoE(cfg, device="meta")
+    shapes = {k: (tuple(v.shape), v.dtype) for k, v in layer.state_dict().items()}
+    assert shapes == {
+        "gate": ((48, 256), torch.float32),
+        "W_gate": ((48, 256, 1280), torch.bfloat16),
+        "W_up": ((48, 256, 1280), torch.bfloat16),
+        "W_down": ((48, 1280, 256), torch.bfloat16),
+        "router.expert_bias": ((48,), torch.float32),
+        "router.expert_bias_ema": ((48,), torch.float32),
+    }
+    trainable = {n for n, p in layer.named_parameters() if p.requires_grad}
+    assert trainable == {"gate", "W_gate", "W_up", "W_down"}
+
+
+@pytest.mark.parametrize("score_func", ["sigmoid", "softmax"])
+def test_forward_matches_oracle(rng, score_func):
+    cfg = SMALL.replace(score_func=score_func)
+    layer = MultiHeadMoE(cfg)
+    randomize(layer, rng)
+    x = torch.randn(2, 5, cfg.hidden_size, generator=rng)
+    y = layer(x)
+    ref, _ = oracle_forward(layer, x, layer.router.expert_bias_ema.detach())
+    assert y.shape == x.shape and y.dtype == x.dtype
+    assert rel_err(y, ref) < 1e-5
+
+
+def test_bias_source_config_and_env(rng, monkeypatch):
+    layer = MultiHeadMoE(SMALL)
+    randomize(layer, rng)
+    with torch.no_grad():  # the two biases disagree strongly, so the choice shows
+        layer.router.expert_bias.copy_(torch.randn(18, generator=rng) * 5)
+        layer.router.expert_bias_ema.copy_(torch.randn(18, generator=rng) * 5)
+    x = torch.randn(7, 48, generator=rng)
+    ref_ema, idx_ema = oracle_forward(layer, x, layer.router.expert_bias_ema.detach())
+    ref_main, idx_main = oracle_forward(layer, x, layer.router.expert_bias.detach())
+    assert not torch.equal(idx_ema, idx_main)
+    assert rel_err(layer(x), ref_ema) < 1e-5
+    layer_main = MultiHeadMoE(SMALL.replace(bias_source="main"))
+    layer_main.load_state_dict(layer.state_dict())
+    assert rel_err(layer_main(x), ref_main) < 1e-5
+    monkeypatch.setenv("MAGI2_ROUTER_BIAS_SOURCE", "main")
+    assert rel_err(layer(x), ref_main) < 1e-5
+    monkeypatch.setenv("MAGI2_ROUTER_BIAS_SOURCE", "ema")
+    assert rel_err(layer_main(x), ref_ema) < 1e-5
+    monkeypatch.setenv("MAGI2_ROUTER_BIAS_SOURCE", "median")
+    with pytest.raises(ValueError, match="MAGI2_ROUTER_BIAS_SOURCE"):
+        layer(x)
+
+
+def test_deterministic_config_and_env(monkeypatch):
+    layer = MultiHeadMoE(SMALL)
+    assert layer.deterministic is False
+    monkeypatch.setenv("MAGI2_DETERMINISTIC", "1")
+    assert layer.deterministic is True
+    assert MultiHeadMoE(SMALL.replace(deterministic=True)).deterministic is True
+    monkeypatch.setenv("MAGI2_DETERMINISTIC", "0")
+    assert MultiHeadMoE(SMALL.replace(deterministic=True)).deterministic is False
+    monkeypatch.setenv("MAGI2_DETERMINISTIC", "maybe")
+    with pytest.raises(ValueError, match="MAGI2_DETERMINISTIC"):
+        _ = layer.deterministic
+
+
+@pytest.mark.parametrize("lead", [(), (0,), (1,), (3, 4), (2, 1, 3)])  # incl. no tokens
+def test_any_leading_shape(rng, lead):
+    layer = MultiHeadMoE(SMALL)
+    x = torch.randn(*lead, 48, generator=rng)
+    y = layer(x)
+    assert y.shape == x.shape
+    flat = layer(x.reshape(-1, 48)).reshape(x.shape)
+    assert torch.equal(y, flat)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_dtype_preserved(rng, dtype):
+    layer = MultiHeadMoE(SMALL.replace(params_dtype=torch.bfloat16))
+    y = layer(torch.randn(4, 48, generator=rng).to(dtype))
+    assert y.dtype == dtype
+
+
+def test_bf16_layer_error_against_oracle(rng):
+    cfg = SMALL.replace(params_dtype=torch.bfloat16)
+    layer = MultiHeadMoE(cfg, device="cpu")
+    layer.reset_parameters(generator=rng)
+    x = torch.randn(16, 48, generator=rng).bfloat16()
+    ref, _ = oracle_forward(layer, x, layer.router.expert_bias_ema.detach())
+    assert 0 < rel_err(layer(x), ref) < 1.5e-2
+
+
+def test_state_dict_round_trip(rng):
+    layer = MultiHeadMoE(SMALL)
+    randomize(layer, rng)
+    other = MultiHeadMoE(SMALL)
+    other.load_state_dict(layer.state_dict())
+    x = torch.randn(6, 48, generator=rng)
+    assert torch.equal(layer(x), other(x))
+    meta = MultiHeadMoE(SMALL, device="meta")
+    meta.load_state_dict(layer.state_dict(), assign=True)
+    assert torch.equal(meta(x), layer(x))
+
+
+def test_bad_input():
+    layer = MultiHeadMoE(SMALL)
+    with pytest.raises(ValueError, match=r"\[\.\.\., 48\]"):
+        layer(torch.randn(4, 47))
+    with pytest.raises(ValueError, match="floating"):
+        layer(torch.ones(4, 48, dtype=torch.int64))
+    with pytest.raises(TypeError):
+        MultiHeadMoE({"hidden_size": 48})
+
+
+@pytest.mark.parametrize("world", range(1, 9))
+def test_partition_parameters(world):
+    cfg = mhmoe.MAGI2_PREVIEW.replace(num_experts=2, top_k=1, expert_intermediate_size=16,
+                                      params_dtype=torch.float32)
+    local = -(-12 // world)
+    for rank in range(world):
+        p = HeadPartition(12, world, rank)
+        assert (p.local_heads, p.start, p.padded_heads) == (local, rank * local, local * world)
+        assert p.real_heads == max(0, min(local, 12 - rank * local))
+        layer = MultiHeadMoE(cfg, partition=p)
+        assert layer.W_gate.shape == (local * 2, 256, 16)
+        real_rows = p.real_heads * 2
+        for name, t in layer.state_dict().items():
+            assert not t[real_rows:].any(), (world, rank, name)  # padding heads are zeros
+        if real_rows:
+            assert (layer.W_gate[:real_rows] != 0).float().mean() > 0.99
+    with pytest.raises(ValueError):
+        HeadPartition(12, 4, 4)

@@ -1,0 +1,64 @@
+"""Head parallelism over gloo: several CPU processes against one process."""
+
+import json
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import mhmoe
+from dist_worker import run_rank
+from mhmoe.parallel import HeadPartition, shard_state_dict
+
+# world size -> per-rank token counts (uneven, with zeros)
+CASES = {
+    2: [5, 3],
+    3: [0, 4, 2],
+    4: [3, 0, 0, 6],
+    5: [1, 2, 3, 0, 4],
+    8: [2, 0, 1, 3, 0, 2, 1, 0],
+}
+
+
+@pytest.mark.parametrize("world", sorted(CASES))
+def test_head_parallel_matches_one_process(tmp_path, world):
+    counts = CASES[world]
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    mp.spawn(run_rank, args=(world, str(tmp_path / "init"), counts, seed, str(tmp_path)),
+             nprocs=world, join=True)
+    for rank in range(world):
+        report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        width_error = report.pop("width_error")
+        assert "replicated input must be" in width_error, width_error
+        real = report.pop("real_heads")
+        assert real == HeadPartition(12, world, rank).real_heads
+        # every output and gradient, both with counts given and gathered
+        expected = {f"{tag}:{what}" for tag in ("counts", "gathered")
+                    for what in ("y", "dx", "dgate", "dW_gate", "dW_up", "dW_down")}
+        assert expected | {"replicated:y"} == set(report)
+        bad = {k: v for k, v in report.items() if not v <= 1e-5}
+        assert not bad, (rank, bad)
+
+
+def test_shard_state_dict_rows():
+    # 12 heads x 2 experts on 8 ranks: 2 heads (4 rows) each, ranks 6 and 7 all padding
+    state = {"w": torch.arange(24.0).view(24, 1)}
+    for rank in range(8):
+        part = shard_state_dict(state, HeadPartition(12, 8, rank), 2)["w"].flatten().tolist()
+        expected = [float(r) if r < 24 else 0.0 for r in range(rank * 4, rank * 4 + 4)]
+        assert part == expected
+
+
+def test_module_for_one_rank_without_group_cannot_forward():
+    cfg = mhmoe.MultiHeadMoEConfig(96, 12, 4, 2, 16, params_dtype=torch.float32)
+    layer = mhmoe.MultiHeadMoE(cfg, partition=HeadPartition(12, 4, 1))
+    with pytest.raises(ValueError, match="pass group="):
+        layer(torch.zeros(2, 96))
+
+
+def test_token_counts_are_checked():
+    cfg = mhmoe.MultiHeadMoEConfig(96, 12, 4, 2, 16, params_dtype=torch.float32)
+    layer = mhmoe.MultiHeadMoE(cfg)
+    with pytest.raises(ValueError, match="token_counts"):
+        layer(torch.zeros(2, 96), token_counts=[3])
+    assert layer(torch.zeros(2, 96), token_counts=[2]).shape == (2, 96)

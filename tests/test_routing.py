@@ -1,0 +1,215 @@
+"""route() and sort_routes() against the row-by-row float64 oracle."""
+
+import pytest
+import torch
+
+import mhmoe
+from oracle import route_row
+
+
+def _check_route(logits, top_k, bias=None, **kw):
+    """Compare route() with the oracle on every row; rows with near-ties in the
+    selection (gap < 1e-6 at the k-th place) are compared on probs only."""
+    H, S, E = logits.shape
+    probs, indices = mhmoe.route(logits, top_k, expert_bias=bias, **kw)
+    assert probs.shape == indices.shape == (H, S, top_k)
+    assert probs.dtype == torch.float32 and indices.dtype == torch.int64
+    for h in range(H):
+        for s in range(S):
+            bias_row = bias.view(H, E)[h] if bias is not None else None
+            ref_p, ref_i = route_row(logits[h, s], top_k, bias_row=bias_row, **kw)
+            assert indices[h, s].tolist() == ref_i, (h, s)
+            ref = torch.tensor(ref_p, dtype=torch.float64)
+            torch.testing.assert_close(probs[h, s].double(), ref, rtol=1e-6, atol=1e-7)
+    return probs, indices
+
+
+@pytest.mark.parametrize("score_func", ["sigmoid", "softmax"])
+@pytest.mark.parametrize("route_norm", [True, False])
+@pytest.mark.parametrize("H,S,E,K", [
+    (1, 1, 1, 1),      # one head, one token, one expert
+    (2, 7, 8, 3),
+    (3, 5, 6, 6),      # K = E
+    (1, 4, 16, 1),     # K = 1
+])
+def test_route_matches_oracle(rng, score_func, route_norm, H, S, E, K):
+    logits = torch.randn(H, S, E, generator=rng) * 3
+    bias = torch.randn(H * E, generator=rng) * 0.1
+    _check_route(logits, K, bias=bias, score_func=score_func, route_norm=route_norm,
+                 route_scale=4.9)
+
+
+def test_route_s_zero():
+    # edge: S = 0 tokens
+    probs, indices = mhmoe.route(torch.empty(2, 0, 4), 2)
+    assert probs.shape == indices.shape == (2, 0, 2)
+
+
+def test_route_ties_go_to_lower_expert():
+    # every score equal: the first K experts in ascending id, equal probabilities
+    logits = torch.zeros(2, 3, 8)
+    probs, indices = mhmoe.route(logits, 3, route_scale=2.0)
+    assert indices.tolist() == [[[0, 1, 2]] * 3] * 2
+    torch.testing.assert_close(probs, torch.full((2, 3, 3), 2.0 / 3))
+    # a tie between experts 5 and 2 at the top: 2 comes first
+    logits = torch.tensor([[[0.0, 0.0, 3.0, 0.0, 0.0, 3.0, 1.0, 0.0]]])
+    _, indices = mhmoe.route(logits, 3)
+    assert indices.tolist() == [[[2, 5, 6]]]
+
+
+def test_bias_moves_selection_not_probabilities():
+    logits = torch.tensor([[[2.0, 1.0, 0.0, -1.0]]])
+    bias = torch.tensor([0.0, 0.0, 0.0, 5.0])  # pushes expert 3 to the top
+    probs, indices = mhmoe.route(logits, 2, expert_bias=bias, route_norm=False)
+    assert indices.tolist() == [[[3, 0]]]
+    expected = torch.sigmoid(torch.tensor([-1.0, 2.0]))
+    torch.testing.assert_close(probs[0, 0], expected)
+    # [H, E] bias shape is accepted too
+    probs2, indices2 = mhmoe.route(logits, 2, expert_bias=bias.view(1, 4), route_norm=False)
+    assert torch.equal(probs, probs2) and torch.equal(indices, indices2)
+
+
+def test_normalisation_values_by_hand():
+    logits = torch.logit(torch.tensor([[[0.5, 0.25, 0.125, 0.0625]]], dtype=torch.float64)).float()
+    probs, indices = mhmoe.route(logits, 2, route_scale=4.9)
+    assert indices.tolist() == [[[0, 1]]]
+    torch.testing.assert_close(probs[0, 0], torch.tensor([4.9 * 2 / 3, 4.9 / 3]))
+
+
+def test_norm_eps_floor():
+    # scores underflow to 0 -> the denominator is eps, probabilities stay 0, not NaN
+    logits = torch.full((1, 1, 4), -200.0)
+    probs, _ = mhmoe.route(logits, 2)
+    assert torch.equal(probs, torch.zeros(1, 1, 2))
+
+
+@pytest.mark.parametrize("score_func", ["sigmoid", "softmax"])
+def test_group_limited_routing(rng, score_func):
+    H, S, E, K = 2, 9, 16, 4
+    logits = torch.randn(H, S, E, generator=rng) * 2
+    bias = torch.randn(H * E, generator=rng) * 0.2
+    for groups, keep in ((4, 1), (4, 2), (8, 3), (16, 4), (2, 2)):
+        _check_route(logits, K, bias=bias, score_func=score_func, num_groups=groups,
+                     topk_groups=keep, route_scale=1.5)
+
+
+def test_groups_fill_with_zero_not_minus_inf():
+    # One group of 2 kept but K = 3: the third pick comes from the zeroed experts
+    # (selection 0.0, lowest id first), and its probability is its unbiased score.
+    logits = torch.tensor([[[5.0, 4.0, -3.0, -2.0]]])
+    bias = torch.tensor([0.0, 0.0, -10.0, -10.0])
+    probs, indices = mhmoe.route(logits, 3, expert_bias=bias, route_norm=False, num_groups=2,
+                                 topk_groups=1)
+    assert indices.tolist() == [[[0, 1, 2]]]
+    torch.testing.assert_close(probs[0, 0], torch.sigmoid(torch.tensor([5.0, 4.0, -3.0])))
+
+
+def test_nan_logits_stay_in_their_row(rng):
+    H, S, E, K = 2, 6, 8, 3
+    logits = torch.randn(H, S, E, generator=rng)
+    clean_probs, clean_idx = mhmoe.route(logits.clone(), K)
+    logits[0, 1, 3] = float("nan")           # one NaN expert: never picked, row still finite
+    logits[1, 4, :] = float("nan")           # a whole NaN row
+    logits[1, 2, :E - 2] = float("nan")      # fewer finite experts than K
+    probs, indices = mhmoe.route(logits, K)
+    assert ((indices >= 0) & (indices < E)).all()
+    assert 3 not in indices[0, 1].tolist() and torch.isfinite(probs[0, 1]).all()
+    finite_first = indices[1, 2].tolist()[:2]
+    assert finite_first == sorted(finite_first, key=lambda e: -logits[1, 2, e])
+    assert set(indices[1, 2].tolist()[:2]) == {E - 2, E - 1}
+    assert torch.isnan(probs[1, 4]).all() and torch.isnan(probs[1, 2]).all()
+    untouched = torch.ones(H, S, dtype=torch.bool)
+    untouched[0, 1] = untouched[1, 4] = untouched[1, 2] = False
+    assert torch.equal(indices[untouched], clean_idx[untouched])
+    assert torch.equal(probs[untouched], clean_probs[untouched])
+
+
+def test_infinite_logits():
+    logits = torch.tensor([[[float("inf"), 0.0, float("-inf"), 1.0]]])
+    probs, indices = mhmoe.route(logits, 2, route_norm=False)
+    assert indices.tolist() == [[[0, 3]]]
+    torch.testing.assert_close(probs[0, 0], torch.tensor([1.0, torch.sigmoid(torch.tensor(1.0))]))
+
+
+@pytest.mark.parametrize("bad", [
+    dict(top_k=0), dict(top_k=9), dict(score_func="relu"), dict(num_groups=3),
+    dict(num_groups=2, topk_groups=3), dict(expert_bias=torch.zeros(7)), dict(norm_eps=0.0),
+])
+def test_route_rejects_bad_arguments(bad):
+    args = dict(top_k=2)
+    args.update(bad)
+    with pytest.raises(ValueError):
+        mhmoe.route(torch.randn(2, 3, 8), **args)
+
+
+def test_route_rejects_bad_logits():
+    with pytest.raises(ValueError, match=r"\[H, S, E\]"):
+        mhmoe.route(torch.randn(3, 8), 2)
+    with pytest.raises(ValueError, match="floating"):
+        mhmoe.route(torch.ones(1, 3, 8, dtype=torch.int64), 2)
+
+
+# ---------------------------------------------------------------- sort_routes
+
+def _csr_oracle(probs, indices, E):
+    """Bucket the routes by flat expert in (h, s, k) order: the stable-sort contract."""
+    H, S, K = indices.shape
+    buckets = [[] for _ in range(H * E)]
+    for h in range(H):
+        for s in range(S):
+            for k in range(K):
+                buckets[h * E + int(indices[h, s, k])].append((s, float(probs[h, s, k])))
+    gather = [s for b in buckets for s, _ in b]
+    sp = [p for b in buckets for _, p in b]
+    offsets = [0]
+    for b in buckets:
+        offsets.append(offsets[-1] + len(b))
+    return gather, sp, offsets
+
+
+@pytest.mark.parametrize("H,S,E,K", [
+    (1, 1, 1, 1),     # one of everything
+    (2, 9, 5, 2),
+    (3, 4, 4, 4),     # K = E
+    (2, 0, 3, 2),     # S = 0
+    (1, 17, 64, 3),   # most experts empty
+])
+def test_sort_routes_matches_oracle(rng, H, S, E, K):
+    logits = torch.randn(H, S, E, generator=rng)
+    probs, indices = mhmoe.route(logits, K)
+    gather_ids, sorted_probs, offsets = mhmoe.sort_routes(probs, indices, E)
+    assert gather_ids.dtype == torch.int32 and sorted_probs.dtype == torch.float32
+    assert offsets.dtype == torch.int64 and offsets.shape == (H * E + 1,)
+    ref_g, ref_p, ref_o = _csr_oracle(probs, indices, E)
+    assert gather_ids.tolist() == ref_g
+    assert sorted_probs.tolist() == ref_p
+    assert offsets.tolist() == ref_o
+
+
+def test_sort_routes_every_token_on_one_expert():
+    # edge: one expert takes every route of head 1, all others of that head are empty
+    H, S, E = 2, 6, 4
+    indices = torch.zeros(H, S, 1, dtype=torch.int64)
+    indices[1] = 3
+    probs = torch.rand(H, S, 1)
+    gather_ids, sorted_probs, offsets = mhmoe.sort_routes(probs, indices, E)
+    assert offsets.tolist() == [0, 6, 6, 6, 6, 6, 6, 6, 12]
+    assert gather_ids.tolist() == list(range(6)) * 2
+    assert torch.equal(sorted_probs, probs.reshape(-1))
+
+
+def test_sort_routes_result_is_a_named_layout():
+    probs, indices = mhmoe.route(torch.randn(1, 3, 2), 1)
+    layout = mhmoe.sort_routes(probs, indices, 2)
+    assert isinstance(layout, mhmoe.RouteLayout)
+    assert layout.offsets[-1].item() == 3
+
+
+def test_sort_routes_rejects_bad_input():
+    probs = torch.rand(1, 2, 2)
+    with pytest.raises(ValueError, match=r"\[0, 4\)"):
+        mhmoe.sort_routes(probs, torch.tensor([[[0, 4], [1, 2]]]), 4)
+    with pytest.raises(ValueError, match=r"\[H, S, K\]"):
+        mhmoe.sort_routes(probs, torch.zeros(1, 2, 3, dtype=torch.int64), 4)
+    with pytest.raises(ValueError, match="integers"):
+        mhmoe.sort_routes(probs, torch.zeros(1, 2, 2), 4)
