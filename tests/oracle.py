@@ -53,24 +53,29 @@ def expert_mlp(x_vec, wg, wu, wd, act_dtype=None):
     u = x_vec.double() @ wu.double()
     a = swiglu7_oracle(g, u)
     if act_dtype is not None:
-        a = a.to(act_dtype).double()
+        a = a + (a.to(act_dtype).double() - a).detach()
     return a @ wd.double()
 
 
 def layer_from_routes(x_heads, probs, indices, w_gate, w_up, w_down, act_dtype=None):
     """y[s, h] = sum_k probs[h, s, k] * MLP_{h*E + indices[h, s, k]}(x[s, h]) in float64.
 
-    x_heads [S, H, D]; probs, indices [H, S, K]; weights [H*E, ...]."""
+    x_heads [S, H, D]; probs, indices [H, S, K]; weights [H*E, ...]. Differentiable
+    in x, probs and the weights (the activation rounding, if any, passes gradients
+    straight through like a cast)."""
     S, H, D = x_heads.shape
     E = w_gate.shape[0] // H
-    y = torch.zeros(S, H, D, dtype=torch.float64)
-    for h in range(H):
-        for s in range(S):
+    rows = []
+    for s in range(S):
+        for h in range(H):
+            y = torch.zeros(D, dtype=torch.float64)
             for k in range(indices.shape[2]):
                 f = h * E + int(indices[h, s, k])
                 o = expert_mlp(x_heads[s, h], w_gate[f], w_up[f], w_down[f], act_dtype)
-                y[s, h] += float(probs[h, s, k]) * o
-    return y
+                y = y + probs[h, s, k].double() * o
+            rows.append(y)
+    # Built without in-place writes so that autograd can differentiate it.
+    return torch.stack(rows).view(S, H, D) if rows else torch.zeros(S, H, D, dtype=torch.float64)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .reference import expert_forward_reference, swiglu7_reference
+from .reference import expert_backward_reference, expert_forward_reference, swiglu7_reference
 
 BACKENDS = ("auto", "torch")
 
@@ -78,6 +78,67 @@ def check_expert_inputs(x_heads, gather_ids, sorted_probs, offsets, w_gate, w_up
                          f"{sorted(map(str, devices))}")
 
 
+# The ops are registered with torch.library so that torch.compile(fullgraph=True)
+# sees one opaque node with a fake (shape-only) implementation, and CUDA graphs
+# capture whatever path runs inside. Autograd is attached to the op itself.
+
+
+@torch.library.custom_op("mhmoe::expert_forward", mutates_args=())
+def _expert_forward_op(x_heads: torch.Tensor, gather_ids: torch.Tensor,
+                       sorted_probs: torch.Tensor, offsets: torch.Tensor, w_gate: torch.Tensor,
+                       w_up: torch.Tensor, w_down: torch.Tensor, deterministic: bool,
+                       backend: str) -> torch.Tensor:
+    del deterministic  # the PyTorch path is deterministic by construction
+    resolve_backend(backend, x_heads.device)
+    return expert_forward_reference(x_heads, gather_ids, sorted_probs, offsets, w_gate, w_up,
+                                    w_down)
+
+
+@_expert_forward_op.register_fake
+def _expert_forward_fake(x_heads, gather_ids, sorted_probs, offsets, w_gate, w_up, w_down,
+                         deterministic, backend):
+    return x_heads.new_empty(x_heads.shape)
+
+
+@torch.library.custom_op("mhmoe::expert_backward", mutates_args=())
+def _expert_backward_op(grad_y: torch.Tensor, x_heads: torch.Tensor, gather_ids: torch.Tensor,
+                        sorted_probs: torch.Tensor, offsets: torch.Tensor, w_gate: torch.Tensor,
+                        w_up: torch.Tensor, w_down: torch.Tensor, deterministic: bool,
+                        backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                               torch.Tensor, torch.Tensor]:
+    del deterministic
+    resolve_backend(backend, x_heads.device)
+    return expert_backward_reference(grad_y, x_heads, gather_ids, sorted_probs, offsets, w_gate,
+                                     w_up, w_down)
+
+
+@_expert_backward_op.register_fake
+def _expert_backward_fake(grad_y, x_heads, gather_ids, sorted_probs, offsets, w_gate, w_up,
+                          w_down, deterministic, backend):
+    return (x_heads.new_empty(x_heads.shape), sorted_probs.new_empty(sorted_probs.shape),
+            w_gate.new_empty(w_gate.shape), w_up.new_empty(w_up.shape),
+            w_down.new_empty(w_down.shape))
+
+
+def _setup_context(ctx, inputs, output):
+    x_heads, gather_ids, sorted_probs, offsets, w_gate, w_up, w_down, deterministic, backend = \
+        inputs
+    # Inputs only: the backward recomputes the [routes, I] activations.
+    ctx.save_for_backward(x_heads, gather_ids, sorted_probs, offsets, w_gate, w_up, w_down)
+    ctx.options = (deterministic, backend)
+
+
+def _backward(ctx, grad_y):
+    x_heads, gather_ids, sorted_probs, offsets, w_gate, w_up, w_down = ctx.saved_tensors
+    dx, dprobs, d_gate, d_up, d_down = _expert_backward_op(
+        grad_y.contiguous(), x_heads, gather_ids, sorted_probs, offsets, w_gate, w_up, w_down,
+        *ctx.options)
+    return dx, None, dprobs, None, d_gate, d_up, d_down, None, None
+
+
+_expert_forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
 def expert_forward(
     x_heads: torch.Tensor,
     gather_ids: torch.Tensor,
@@ -96,6 +157,9 @@ def expert_forward(
     w_gate, w_up: [H*E, D, I]; w_down: [H*E, I, D]
     returns y_heads [S, H, D] in x_heads' dtype.
 
+    Differentiable in x_heads, sorted_probs and the three weights; the
+    backward recomputes the activations rather than storing them.
+
     deterministic: the result is bitwise reproducible and independent of the
     order of the routes within an expert. The PyTorch path always is (it sums
     the routes of a (token, head) in ascending expert order), so the flag
@@ -105,6 +169,5 @@ def expert_forward(
     """
     resolve_backend(backend, x_heads.device)
     check_expert_inputs(x_heads, gather_ids, sorted_probs, offsets, w_gate, w_up, w_down)
-    del deterministic  # the PyTorch path is deterministic by construction (see above)
-    return expert_forward_reference(x_heads, gather_ids, sorted_probs, offsets, w_gate, w_up,
-                                    w_down)
+    return _expert_forward_op(x_heads, gather_ids, sorted_probs, offsets, w_gate, w_up, w_down,
+                              bool(deterministic), backend)

@@ -191,3 +191,63 @@ def moe_reference_float64(
         o = swiglu7_reference(g, u) @ w_down[f].detach().to("cpu", torch.float64)
         out.index_add_(0, tokens * H + head, o * p64[routes, None])
     return out.view(S, H, D)
+
+
+def expert_backward_reference(
+    grad_y: torch.Tensor,
+    x_heads: torch.Tensor,
+    gather_ids: torch.Tensor,
+    sorted_probs: torch.Tensor,
+    offsets: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of `expert_forward_reference` by hand, recomputing g, u and a per expert.
+
+    grad_y: [S, H, D] (the gradient of the output)
+    returns dx [S, H, D] (x dtype), dprobs [R] (probs dtype), dW_gate, dW_up
+    [H*E, D, I], dW_down [H*E, I, D] (weight dtype).
+
+    Nothing of size [routes, I] is kept between forward and backward: the
+    activations are recomputed here. The cast of the activation to the weight
+    dtype passes gradients straight through; clamp passes them where the input
+    lies inside the clamp range (bounds included), as torch.clamp does.
+    """
+    S, H, D = x_heads.shape
+    num_flat = w_gate.shape[0]
+    num_experts = num_flat // H if H else 0
+    acc = compute_dtype(x_heads, w_gate, sorted_probs, grad_y)
+    dx = torch.zeros(S * H, D, dtype=acc, device=x_heads.device)
+    dprobs = torch.zeros(sorted_probs.shape, dtype=acc, device=x_heads.device)
+    d_gate = torch.zeros(w_gate.shape, dtype=acc, device=x_heads.device)
+    d_up = torch.zeros(w_up.shape, dtype=acc, device=x_heads.device)
+    d_down = torch.zeros(w_down.shape, dtype=acc, device=x_heads.device)
+    bounds = offsets.tolist() if S and num_flat else [0] * (num_flat + 1)
+    for f in range(num_flat):
+        start, end = bounds[f], bounds[f + 1]
+        if start == end:
+            continue
+        head = f // num_experts
+        tokens = gather_ids[start:end].to(torch.int64)
+        rows = tokens * H + head
+        xe = x_heads[tokens, head].to(acc)
+        wg, wu, wd = w_gate[f].to(acc), w_up[f].to(acc), w_down[f].to(acc)
+        g, u = xe @ wg, xe @ wu
+        a = swiglu7_reference(g, u).to(w_down.dtype).to(acc)
+        dy = grad_y[tokens, head].to(acc)
+        p = sorted_probs[start:end].to(acc)
+        dprobs[start:end] = ((a @ wd) * dy).sum(-1)
+        do = dy * p[:, None]
+        d_down[f] = a.transpose(0, 1) @ do
+        da = do @ wd.transpose(0, 1)
+        gc = torch.clamp(g, max=7.0)
+        sig = torch.sigmoid(1.702 * gc)
+        uc1 = torch.clamp(u, min=-7.0, max=7.0) + 1.0
+        dg = da * uc1 * (sig + 1.702 * gc * sig * (1.0 - sig)) * (g <= 7.0)
+        du = da * gc * sig * ((u >= -7.0) & (u <= 7.0))
+        d_gate[f] = xe.transpose(0, 1) @ dg
+        d_up[f] = xe.transpose(0, 1) @ du
+        dx.index_add_(0, rows, dg @ wg.transpose(0, 1) + du @ wu.transpose(0, 1))
+    return (dx.view(S, H, D).to(x_heads.dtype), dprobs.to(sorted_probs.dtype),
+            d_gate.to(w_gate.dtype), d_up.to(w_up.dtype), d_down.to(w_down.dtype))

@@ -100,8 +100,9 @@ def sort_routes(probs: torch.Tensor, indices: torch.Tensor, num_experts: int) ->
         raise ValueError(f"sort_routes: probs on {probs.device}, indices on {indices.device}")
     if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
         raise ValueError(f"sort_routes: num_experts must be a positive int, got {num_experts!r}")
-    if indices.device.type == "cpu" and indices.numel():
-        # Range check only where it costs no device synchronisation.
+    if indices.device.type == "cpu" and indices.numel() and not torch.compiler.is_compiling():
+        # Range check only where it costs no device synchronisation (and not in a
+        # compiled graph, where it would be a data-dependent branch).
         low, high = int(indices.min()), int(indices.max())
         if low < 0 or high >= num_experts:
             raise ValueError(f"sort_routes: indices must lie in [0, {num_experts}), found "
