@@ -65,3 +65,12 @@ def test_help(entry):
     assert proc.returncode == 0
     for command in ("demo", "bench", "inspect", "make-checkpoint"):
         assert command in proc.stdout
+
+
+def test_demo_nproc_runs_head_parallel_and_checks():
+    # 3 gloo processes, uneven tokens (the last rank gets none)
+    out = mhmoe("demo", "--nproc", "3", "--experts", "2", "--tokens", "40", "--runs", "1").stdout
+    assert "head-parallel layer over gloo" in out
+    assert re.search(r"largest difference from the one-process layer: \S+ .*\(ok\)", out), out
+    rows = [line for line in out.splitlines() if re.match(r"^\W*\d\W+\d+\W+\d\W", line)]
+    assert len(rows) == 3, out

@@ -73,9 +73,42 @@ def check_slice(layer, x: torch.Tensor, y: torch.Tensor, tokens: int) -> float:
     return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
+def cmd_demo_parallel(args) -> int:
+    """`mhmoe demo --nproc N`: the head-parallel layer on N processes against one process."""
+    from .launch import spawn_parallel
+
+    device = _device(args.device)
+    if args.checkpoint:
+        raise ValueError("--nproc runs seeded random weights; --checkpoint is not supported "
+                         "with it")
+    config = _demo_config(args, device)
+    tokens = args.tokens or (8192 if device.type == "cuda" else 128)
+    backend = "NCCL" if device.type == "cuda" else "gloo"
+    with console.status(f"{args.nproc} {backend} processes, {tokens} tokens"):
+        points = spawn_parallel(config, args.nproc, tokens, seed=args.seed, runs=args.runs,
+                                use_cuda=device.type == "cuda")
+    table = Table(title=f"mhmoe demo --nproc {args.nproc}: head-parallel layer over {backend}, "
+                  f"{config.num_heads} heads x {config.num_experts} experts (times in ms)")
+    for col in ("rank", "tokens", "heads", "dispatch", "experts", "undispatch", "layer",
+                "a2a MB", "max |diff|"):
+        table.add_column(col, justify="right")
+    for p in points:
+        table.add_row(str(p.rank), str(p.tokens), str(p.real_heads), f"{p.dispatch_ms:.2f}",
+                      f"{p.experts_ms:.2f}", f"{p.undispatch_ms:.2f}", f"{p.layer_ms:.2f}",
+                      f"{p.alltoall_bytes / 1e6:.2f}", f"{p.max_abs_diff:.2e}")
+    console.print(table)
+    worst = max(p.max_abs_diff / max(p.max_abs_ref, 1e-30) for p in points)
+    ok = worst < REL_ERR_OK
+    console.print(f"largest difference from the one-process layer: {worst:.2e} of its largest "
+                  f"output ({'ok' if ok else 'FAILED'})")
+    return 0 if ok else 1
+
+
 def cmd_demo(args) -> int:
     from .bench import device_name, expert_tflops, matmul_peak_tflops, time_fn
 
+    if args.nproc:
+        return cmd_demo_parallel(args)
     device = _device(args.device)
     if args.checkpoint:
         from .checkpoint import CheckpointReader, load_layer
@@ -280,6 +313,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--layer", type=int, default=2, help="MoE layer index in the checkpoint")
     demo.add_argument("--backend", default="auto", help="auto, torch or triton")
     demo.add_argument("--deterministic", action="store_true")
+    demo.add_argument("--nproc", type=int, default=None,
+                      help="run head-parallel on N processes (gloo on the CPU, NCCL on N GPUs) "
+                      "and check against one process")
     demo.add_argument("--check-tokens", type=int, default=16,
                       help="tokens checked against the float64 reference")
     demo.set_defaults(func=cmd_demo)
