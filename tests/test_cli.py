@@ -74,3 +74,40 @@ def test_demo_nproc_runs_head_parallel_and_checks():
     assert re.search(r"largest difference from the one-process layer: \S+ .*\(ok\)", out), out
     rows = [line for line in out.splitlines() if re.match(r"^\W*\d\W+\d+\W+\d\W", line)]
     assert len(rows) == 3, out
+
+
+def test_make_checkpoint_inspect_demo_and_a_corrupt_file(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    out = mhmoe("make-checkpoint", str(ckpt), "--layers", "2,3", "--experts", "2",
+                "--shard-mb", "12").stdout
+    assert "wrote" in out and "[2, 3]" in out
+    shards = sorted(ckpt.glob("model-*.safetensors"))
+    assert len(shards) > 1 and (ckpt / "model.safetensors.index.json").exists()
+
+    out = mhmoe("inspect", str(ckpt)).stdout
+    assert "no problems found" in out and "2 MoE layers" in out
+    for shape in ("24x256", "24x256x1280", "24x1280x256"):
+        assert shape in out
+
+    out = mhmoe("demo", "--checkpoint", str(ckpt), "--layer", "3", "--tokens", "16",
+                "--runs", "1").stdout
+    assert f"{ckpt} layer 3" in out and "12 heads x 2 experts" in out
+    err = float(re.search(r"rel\. error\s*\S\s*([0-9.e+-]+)", out).group(1))
+    assert err < 2e-2
+
+    # Cut the shard holding layer 3's W_down: inspect and demo both refuse, naming it.
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    victim = ckpt / index["weight_map"]["block.layers.3.mlp.moe_mlp.W_down"]
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    proc = mhmoe("inspect", str(ckpt), check=False)
+    assert proc.returncode == 1 and victim.name in proc.stdout and "problem" in proc.stdout
+    proc = mhmoe("demo", "--checkpoint", str(ckpt), "--layer", "3", "--tokens", "4", check=False)
+    assert proc.returncode == 2 and victim.name in proc.stdout
+    assert "Traceback" not in proc.stdout + proc.stderr
+    proc = mhmoe("demo", "--checkpoint", str(ckpt), "--layer", "7", "--tokens", "4", check=False)
+    assert proc.returncode == 2 and "block.layers.7" in proc.stdout
+
+
+def test_inspect_of_a_missing_path():
+    proc = mhmoe("inspect", "/nonexistent/ckpt", check=False)
+    assert proc.returncode == 1 and "/nonexistent/ckpt" in proc.stdout
