@@ -128,3 +128,36 @@ def test_expert_forward_rejects_bad_input(rng):
             mhmoe.expert_forward(*args)
     with pytest.raises(ValueError, match="backend"):
         mhmoe.expert_forward(x, *layout, wg, wu, wd, backend="cuda-magic")
+
+
+# ------------------------------------------------- the fused kernel through the public op
+
+def test_public_triton_path_forward_and_gradients(rng):
+    # The fused kernel (in the interpreter here) behind expert_forward(backend="triton"),
+    # with autograd through the op. D and I multiples of 16, as the kernel needs.
+    S, H, E, K, D, I = 9, 2, 3, 2, 16, 32
+    x, probs, indices, weights = make_case(rng, S, H, E, K, D, I, dtype=torch.bfloat16)
+    layout = mhmoe.sort_routes(probs, indices, E)
+    x = x.requires_grad_()
+    y = mhmoe.expert_forward(x, *layout, *weights, backend="triton")
+    y_ref = layer_from_routes(x.detach(), probs, indices, *weights)
+    assert y.dtype == torch.bfloat16 and rel_err(y, y_ref) < 1e-2
+    (dx,) = torch.autograd.grad(y.float().sum(), [x])
+    x64 = x.detach().double().requires_grad_()
+    (dx_ref,) = torch.autograd.grad(layer_from_routes(x64, probs, indices, *weights).sum(), [x64])
+    assert rel_err(dx, dx_ref) < 2e-2
+    det = [mhmoe.expert_forward(x.detach(), *layout, *weights, backend="triton",
+                                deterministic=True) for _ in range(2)]
+    assert torch.equal(det[0], det[1])
+
+
+def test_triton_path_shape_and_device_errors(rng, monkeypatch):
+    x, probs, indices, weights = make_case(rng, 4, 2, 3, 2, 12, 16, dtype=torch.float32)
+    layout = mhmoe.sort_routes(probs, indices, 3)
+    with pytest.raises(ValueError, match="multiples of 16"):
+        mhmoe.expert_forward(x, *layout, *weights, backend="triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        mhmoe.expert_forward(x, *layout, *weights, backend="triton")
+    # "auto" on the CPU is the PyTorch path, whatever the shapes
+    assert mhmoe.experts.resolve_backend("auto", "cpu") == "torch"

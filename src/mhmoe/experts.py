@@ -1,29 +1,89 @@
-"""`expert_forward()` and `swiglu7()`: the expert MLPs of every route (SPEC section 4)."""
+"""`expert_forward()` and `swiglu7()`: the expert MLPs of every route (SPEC section 4).
+
+Two paths compute the same function: "torch" (reference.py, any device, any
+float dtype) and "triton" (the fused kernel of kernels/expert_forward.py, CUDA;
+on the CPU only under TRITON_INTERPRET=1, for tests). "auto" takes the fused
+kernel on CUDA and the PyTorch path elsewhere.
+"""
 
 from __future__ import annotations
+
+import functools
+import os
+import warnings
 
 import torch
 
 from .reference import expert_backward_reference, expert_forward_reference, swiglu7_reference
 
-BACKENDS = ("auto", "torch")
+BACKENDS = ("auto", "torch", "triton")
+
+
+@functools.cache
+def triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def available_backends(device: torch.device | str) -> list[str]:
-    """The expert paths that can run on `device`."""
-    del device
-    return ["torch"]
+    """The expert paths that can run on `device`, slowest first."""
+    device = torch.device(device)
+    paths = ["torch"]
+    if triton_importable() and (device.type == "cuda" or
+                                os.environ.get("TRITON_INTERPRET") == "1"):
+        paths.append("triton")
+    return paths
 
 
 def resolve_backend(backend: str, device: torch.device | str) -> str:
-    """The path `backend` ("auto", "torch", ...) takes on `device`; an error if it cannot run."""
+    """The path `backend` takes on `device`: "auto" is the fused kernel on CUDA,
+    the PyTorch path elsewhere; an explicit path that cannot run is an error."""
     if backend not in BACKENDS:
         raise ValueError(f"expert_forward: backend must be one of {BACKENDS}, got {backend!r}")
+    device = torch.device(device)
     if backend == "auto":
-        return available_backends(device)[-1]
+        return "triton" if device.type == "cuda" and "triton" in available_backends(device) \
+            else "torch"
     if backend not in available_backends(device):
-        raise ValueError(f"expert_forward: backend {backend!r} cannot run on {device}")
+        raise ValueError(f"expert_forward: backend {backend!r} cannot run on {device} (the "
+                         f"triton path needs a CUDA device, or TRITON_INTERPRET=1 on the CPU, "
+                         f"and the triton package)")
     return backend
+
+
+def kernel_shape_problem(x_heads: torch.Tensor, w_gate: torch.Tensor) -> str | None:
+    """Why the fused kernel cannot take these shapes, or None if it can."""
+    D, I = w_gate.shape[1], w_gate.shape[2]
+    if D % 16 or I % 16:
+        return f"D={D} and I={I} must be multiples of 16 for the fused kernel"
+    return None
+
+
+_warned: set[str] = set()
+
+
+def _pick_path(backend: str, x_heads: torch.Tensor, w_gate: torch.Tensor) -> str:
+    """The path one call takes: resolve_backend, plus the kernel's shape rule.
+
+    An explicit "triton" with shapes the kernel cannot take is an error; under
+    "auto" such shapes run the PyTorch path and say so once in a warning.
+    """
+    path = resolve_backend(backend, x_heads.device)
+    if path != "triton":
+        return path
+    problem = kernel_shape_problem(x_heads, w_gate)
+    if problem is None:
+        return path
+    if backend == "triton":
+        raise ValueError(f"expert_forward: {problem}")
+    if problem not in _warned:
+        _warned.add(problem)
+        warnings.warn(f"expert_forward: {problem}; these shapes run the PyTorch path",
+                      stacklevel=3)
+    return "torch"
 
 
 def swiglu7(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -88,8 +148,12 @@ def _expert_forward_op(x_heads: torch.Tensor, gather_ids: torch.Tensor,
                        sorted_probs: torch.Tensor, offsets: torch.Tensor, w_gate: torch.Tensor,
                        w_up: torch.Tensor, w_down: torch.Tensor, deterministic: bool,
                        backend: str) -> torch.Tensor:
-    del deterministic  # the PyTorch path is deterministic by construction
-    resolve_backend(backend, x_heads.device)
+    if _pick_path(backend, x_heads, w_gate) == "triton":
+        from .kernels.expert_forward import triton_expert_forward
+
+        return triton_expert_forward(x_heads, gather_ids, sorted_probs, offsets, w_gate, w_up,
+                                     w_down, deterministic=deterministic)
+    # The PyTorch path is deterministic by construction.
     return expert_forward_reference(x_heads, gather_ids, sorted_probs, offsets, w_gate, w_up,
                                     w_down)
 
@@ -106,6 +170,8 @@ def _expert_backward_op(grad_y: torch.Tensor, x_heads: torch.Tensor, gather_ids:
                         w_up: torch.Tensor, w_down: torch.Tensor, deterministic: bool,
                         backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                torch.Tensor, torch.Tensor]:
+    # The fused backward is issue 5: every path differentiates through the PyTorch
+    # backward for now (deterministic: it adds in a fixed order, like the forward).
     del deterministic
     resolve_backend(backend, x_heads.device)
     return expert_backward_reference(grad_y, x_heads, gather_ids, sorted_probs, offsets, w_gate,
@@ -161,11 +227,16 @@ def expert_forward(
     backward recomputes the activations rather than storing them.
 
     deterministic: the result is bitwise reproducible and independent of the
-    order of the routes within an expert. The PyTorch path always is (it sums
-    the routes of a (token, head) in ascending expert order), so the flag
-    changes nothing there.
-    backend: "auto" or "torch". The PyTorch path reads `offsets` on the host
-    once per call; the fused GPU kernel is tracked in issue 3.
+    order of the routes within an expert: the K routes of a (token, head) are
+    summed in ascending expert order. The PyTorch path always does this; the
+    fused kernel's default mode adds with fp32 atomics (last bits may vary).
+    Deterministic mode on the fused kernel needs the same number of routes for
+    every (token, head), as every `sort_routes` layout has.
+    backend: "auto" (fused kernel on CUDA, PyTorch elsewhere), "torch" or
+    "triton". The fused kernel reads nothing back to the host (CUDA-graph
+    capturable); the PyTorch path reads `offsets` on the host once per call.
+    D and I must be multiples of 16 for the fused kernel: "triton" raises
+    otherwise, "auto" warns once and runs the PyTorch path.
     """
     resolve_backend(backend, x_heads.device)
     check_expert_inputs(x_heads, gather_ids, sorted_probs, offsets, w_gate, w_up, w_down)

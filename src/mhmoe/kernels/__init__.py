@@ -1,0 +1,1 @@
+"""Triton kernels of mhmoe (one file per kernel family, plus configs.py)."""

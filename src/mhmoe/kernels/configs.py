@@ -1,0 +1,134 @@
+"""Per-architecture tile choices of the Triton kernels, as data.
+
+`expert_forward_config()` picks an `ExpertForwardConfig` from the GPU
+architecture and the problem's shapes (never from the routing itself, which
+lives on the device); tests and benchmarks can pass their own config instead.
+`step_down()` gives the next smaller config when one does not fit the chip.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ExpertForwardConfig:
+    """Tiles of the fused expert kernel (`kernels/expert_forward.py`).
+
+    block_m:    routes (rows of the gathered x tile) one program owns; the
+                fp32 accumulator is [block_m, D] and lives in registers.
+    block_i:    width of one slice of the intermediate dimension I; the
+                program loops over I in slices of block_i.
+    num_warps:  warps per program (4 = one Hopper warpgroup).
+    num_stages: software-pipelining depth of the weight-slice loads.
+    tma:        load weight slices with tensor descriptors (bulk copies) where
+                the shapes allow; False forces per-thread pointer loads.
+    """
+
+    block_m: int
+    block_i: int
+    num_warps: int
+    num_stages: int
+    tma: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_i"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"ExpertForwardConfig.{name} must be a power of two >= 16, "
+                                 f"got {value}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"ExpertForwardConfig.num_warps must be a power of two <= 16, got "
+                             f"{self.num_warps}")
+        if self.num_stages < 1:
+            raise ValueError(f"ExpertForwardConfig.num_stages must be >= 1, got "
+                             f"{self.num_stages}")
+
+
+# Rows per expert (R / number of flat experts, known from shapes alone) -> tiles.
+# Each row is (upper bound on the mean rows per expert, config); the first row
+# whose bound is >= the mean wins. Few rows per expert make the kernel stream
+# weights (small block_m wastes less tensor-core work on padding); many rows
+# make it compute-bound (block_m = 128 halves the weight re-reads from L2
+# against 64, and two warpgroups share each weight slice in shared memory).
+_HOPPER = (
+    (40.0, ExpertForwardConfig(block_m=64, block_i=32, num_warps=4, num_stages=4)),
+    (float("inf"), ExpertForwardConfig(block_m=128, block_i=32, num_warps=8, num_stages=3)),
+)
+# Ampere/Ada and unknown CUDA GPUs: less shared memory, no wgmma.
+_GENERIC_CUDA = (
+    (float("inf"), ExpertForwardConfig(block_m=64, block_i=32, num_warps=4, num_stages=2)),
+)
+# The Triton interpreter (CPU tests): big tiles run fastest there.
+_INTERPRETER = (
+    (float("inf"), ExpertForwardConfig(block_m=32, block_i=32, num_warps=4, num_stages=1)),
+)
+_TABLES = {(9, 0): _HOPPER}
+
+# Shared memory a program may use, by architecture (bytes); the default for others.
+_SMEM_BYTES = {(9, 0): 227 * 1024, (8, 0): 163 * 1024}
+_SMEM_DEFAULT = 99 * 1024
+
+# Workspace limits (bytes) of the launcher: the fp32 accumulator of the default
+# mode and the per-route buffer of the deterministic mode are sized for at most
+# this many bytes; larger problems run in several launches over groups of heads.
+DEFAULT_WORKSPACE_BYTES = 256 * 2**20
+DETERMINISTIC_WORKSPACE_BYTES = 1024 * 2**20
+
+
+def _arch(device: torch.device) -> tuple[int, int] | None:
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_capability(device)
+
+
+def _smem_bytes(cfg: ExpertForwardConfig, d: int, elem: int) -> int:
+    """Shared memory the kernel needs: x tile, pipelined weight slices, barriers.
+
+    The activation feeds the down GEMM from registers (Hopper), so it takes none.
+    """
+    block_d = 1 << max(d - 1, 0).bit_length()
+    x_tile = cfg.block_m * block_d * elem
+    weights = 3 * block_d * cfg.block_i * elem
+    return x_tile + cfg.num_stages * weights + 1024
+
+
+def expert_forward_config(
+    device: torch.device, rows_per_expert: float, d: int, dtype: torch.dtype,
+    interpreting: bool = False,
+) -> ExpertForwardConfig:
+    """The default tiles for a problem of `rows_per_expert` mean routes per expert.
+
+    device: where the kernel runs; d: head width D; dtype: the weights' dtype.
+    The table's choice is then shrunk (pipelining depth first, then block_i,
+    then block_m) until its shared memory fits the architecture.
+    """
+    arch = _arch(device)
+    if interpreting or arch is None:
+        table = _INTERPRETER
+    else:
+        table = _TABLES.get(arch, _GENERIC_CUDA)
+    cfg = next(c for bound, c in table if rows_per_expert <= bound)
+    limit = _SMEM_BYTES.get(arch, _SMEM_DEFAULT) if arch is not None else None
+    elem = 4 if dtype == torch.float32 else 2
+    while limit is not None and _smem_bytes(cfg, d, elem) > limit:
+        smaller = step_down(cfg)
+        if smaller is None:
+            break
+        cfg = smaller
+    return cfg
+
+
+def step_down(cfg: ExpertForwardConfig) -> ExpertForwardConfig | None:
+    """The next config to try after `cfg` ran out of resources; None when none is left."""
+    if cfg.num_stages > 1:
+        return dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
+    if cfg.block_i > 16:
+        return dataclasses.replace(cfg, block_i=cfg.block_i // 2)
+    if cfg.block_m > 16:
+        return dataclasses.replace(cfg, block_m=cfg.block_m // 2,
+                                   num_warps=max(1, cfg.num_warps // 2))
+    return None

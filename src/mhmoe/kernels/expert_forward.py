@@ -1,0 +1,358 @@
+"""Fused expert MLP forward: gather, gate/up GEMMs, SwiGLU7, down GEMM, weighted combine.
+
+One program owns BLOCK_M routes of one flat expert. It gathers their x rows
+once, then walks the intermediate dimension I in slices of BLOCK_I:
+
+    g, u = x @ W_gate[f][:, slice], x @ W_up[f][:, slice]      fp32 accumulators
+    a    = swiglu7(g, u) cast to the weight dtype
+    acc += a @ W_down[f][slice, :]                             fp32 [BLOCK_M, D]
+
+so the [rows, I] intermediate never leaves the chip (the flash-attention
+pattern). The epilogue scales each row by its route probability and combines:
+
+- default mode: fp32 atomic adds into an fp32 [S, G, D] accumulator (G heads
+  per launch), cast to x's dtype afterwards. The order of the K adds of a
+  (token, head) depends on scheduling, so the last bits may vary between runs.
+- deterministic mode: each route stores its row into its own slot
+  ((h * S + s) * K + k, k = its rank among the routes of (s, h) in ascending
+  expert order); a second kernel sums the K slots of every (token, head) in
+  ascending k, starting from 0.0, which is the reference's order. Nothing
+  depends on scheduling or on the order of the tokens.
+
+Everything the launch needs comes from shapes: the grid is an upper bound on
+the number of tiles, and each program finds its (expert, row block) in a
+tile -> expert map computed on the device by torch ops (no host sync), so the
+whole call can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.errors import OutOfResources
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from .configs import (
+    DEFAULT_WORKSPACE_BYTES,
+    DETERMINISTIC_WORKSPACE_BYTES,
+    ExpertForwardConfig,
+    expert_forward_config,
+    step_down,
+)
+
+
+@triton.jit
+def _round_fp32(v, dtype: tl.constexpr):
+    """fp32 `v` rounded to `dtype` (nearest even), returned as fp32. Interpreter only.
+
+    The interpreter's fp32 -> bf16 cast truncates; the GPU's rounds to nearest
+    even, so bf16 is rounded here on the bits (finite values). Other dtypes
+    round correctly through numpy.
+    """
+    if dtype == tl.bfloat16:
+        bits = v.to(tl.uint32, bitcast=True)
+        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return v.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _expert_forward_kernel(
+    x_ptr, stride_xs, stride_xh,  # x_heads [S, H, D]; unit stride along D
+    gather_ids_ptr, probs_ptr, offsets_ptr,  # the RouteLayout: [R], [R], [H*E + 1]
+    tile_expert_ptr, tile_first_ptr,  # [T_max] int32, [G*E] int32 (see the launcher)
+    wg_ptr, wu_ptr, wd_ptr,  # [H*E, D, I], [H*E, D, I], [H*E, I, D]: pointers or TMA descriptors
+    out_ptr, slot_ptr,  # default: fp32 [S, G, D]; deterministic: fp32 [G*S*K, D], slots [R]
+    E, first_expert, num_experts, first_head, group_heads, slot_base,
+    D: tl.constexpr, I: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr, EVEN_I: tl.constexpr, DETERMINISTIC: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+):
+    """Expert MLPs of one tile of routes.
+
+    Launch grid: (T_max,), T_max >= the number of (expert, row block) tiles of
+    the `num_experts` flat experts starting at `first_expert` (G heads).
+    Program t owns rows [offsets[f] + b * BLOCK_M, ...+ BLOCK_M) of expert f,
+    clipped to offsets[f + 1], where f - first_expert = tile_expert[t] and
+    b = t - tile_first[f - first_expert]; programs with tile_expert[t] ==
+    num_experts have no tile and return at once.
+    UPCAST (interpreter only): compute on fp32 copies of 16-bit loads, whose
+    arithmetic the interpreter gets wrong. DOT_FP32: inputs of unequal or
+    fp32 dtypes, multiplied in full fp32 (no tf32), as the reference does.
+    USE_TMA: the w_* arguments are tensor descriptors with blocks
+    [1, BLOCK_D, BLOCK_I] (gate, up) and [1, BLOCK_I, BLOCK_D] (down).
+    """
+    pid = tl.program_id(0)
+    e = tl.load(tile_expert_ptr + pid)
+    if e >= num_experts:
+        return
+    block = pid - tl.load(tile_first_ptr + e)
+    f = (first_expert + e).to(tl.int64)  # int64: f * D * I exceeds 2^31 for large banks
+    head = f // E
+    start = tl.load(offsets_ptr + f)
+    end = tl.load(offsets_ptr + f + 1)
+    rows = start + block * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < end
+    tokens = tl.load(gather_ids_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    x_ptrs = x_ptr + tokens[:, None] * stride_xs + head * stride_xh + d[None, :]
+    x = tl.load(x_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if UPCAST or DOT_FP32:
+        x = x.to(tl.float32)
+
+    i = tl.arange(0, BLOCK_I)
+    if not USE_TMA:
+        wg_ptrs = wg_ptr + f * D * I + d[:, None] * I + i[None, :]  # [BLOCK_D, BLOCK_I]
+        wu_ptrs = wu_ptr + f * D * I + d[:, None] * I + i[None, :]
+        wd_ptrs = wd_ptr + f * I * D + i[:, None] * D + d[None, :]  # [BLOCK_I, BLOCK_D]
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for i0 in range(0, I, BLOCK_I):
+        if USE_TMA:
+            # Bulk tensor copies: no per-thread addresses, and the descriptors'
+            # bounds zero-fill the slice past I (the same effect as the masks).
+            wg = wg_ptr.load([f.to(tl.int32), 0, i0]).reshape(BLOCK_D, BLOCK_I)
+            wu = wu_ptr.load([f.to(tl.int32), 0, i0]).reshape(BLOCK_D, BLOCK_I)
+            wd = wd_ptr.load([f.to(tl.int32), i0, 0]).reshape(BLOCK_I, BLOCK_D)
+        elif EVEN_D and EVEN_I:
+            wg = tl.load(wg_ptrs)
+            wu = tl.load(wu_ptrs)
+            wd = tl.load(wd_ptrs)
+        else:
+            # Zero-filled weights past D or I make g = u = 0, so a = 0 there.
+            gu_ok = d_ok[:, None] & (i0 + i < I)[None, :]
+            wg = tl.load(wg_ptrs, mask=gu_ok, other=0.0)
+            wu = tl.load(wu_ptrs, mask=gu_ok, other=0.0)
+            wd = tl.load(wd_ptrs, mask=(i0 + i < I)[:, None] & d_ok[None, :], other=0.0)
+        w_dtype = wd.dtype
+        if UPCAST or DOT_FP32:
+            wg = wg.to(tl.float32)
+            wu = wu.to(tl.float32)
+            wd = wd.to(tl.float32)
+        g = tl.dot(x, wg, input_precision=PRECISION)
+        u = tl.dot(x, wu, input_precision=PRECISION)
+        g = tl.minimum(g, 7.0)
+        u = tl.minimum(tl.maximum(u, -7.0), 7.0)
+        # g * sigmoid(1.702 g) as g / (1 + 2^(-1.702 log2(e) g)) with the fast
+        # (2 ulp) division: one exp2 and one reciprocal on the special-function
+        # units, which otherwise bound this loop. Far below the bf16 rounding of a.
+        a = tl.fdiv(g, 1.0 + tl.exp2(-2.4554669595930157 * g)) * (u + 1.0)
+        if UPCAST:
+            a = _round_fp32(a, w_dtype)
+        else:
+            a = a.to(w_dtype)
+            if DOT_FP32:
+                a = a.to(tl.float32)
+        acc = tl.dot(a, wd, acc, input_precision=PRECISION)
+        if not USE_TMA:
+            wg_ptrs += BLOCK_I
+            wu_ptrs += BLOCK_I
+            wd_ptrs += BLOCK_I * D
+
+    prob = tl.load(probs_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    acc = acc * prob[:, None]
+    ok = row_ok[:, None] & d_ok[None, :]
+    if DETERMINISTIC:
+        slots = tl.load(slot_ptr + rows, mask=row_ok, other=0) - slot_base
+        tl.store(out_ptr + slots[:, None] * D + d[None, :], acc, mask=ok)
+    else:
+        out_rows = tokens * group_heads + (head - first_head)
+        tl.atomic_add(out_ptr + out_rows[:, None] * D + d[None, :], acc, mask=ok, sem="relaxed")
+
+
+@triton.jit
+def _sum_slots_kernel(
+    buf_ptr, y_ptr, stride_ys, stride_yh,  # buf fp32 [G*S*K, D]; y [S, H, D], unit D stride
+    S, first_head, num_pairs,
+    D: tl.constexpr, K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """y[s, first_head + g] = sum over k = 0..K-1, in that order, of buf[(g*S + s)*K + k].
+
+    Launch grid: (cdiv(G * S, BLOCK_P), cdiv(D, BLOCK_D)); program (p, q) owns
+    BLOCK_P (head, token) pairs of the group and columns [q*BLOCK_D, ...).
+    The sum starts from 0.0 and adds in ascending k: a fixed order.
+    """
+    pairs = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P).to(tl.int64)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    ok = (pairs < num_pairs)[:, None] & (d < D)[None, :]
+    acc = tl.zeros([BLOCK_P, BLOCK_D], dtype=tl.float32)
+    for k in range(K):
+        acc += tl.load(buf_ptr + (pairs * K + k)[:, None] * D + d[None, :], mask=ok, other=0.0)
+    g = pairs // S
+    s = pairs - g * S
+    y_ptrs = y_ptr + s[:, None] * stride_ys + (first_head + g)[:, None] * stride_yh + d[None, :]
+    if UPCAST:
+        acc = _round_fp32(acc, y_ptr.dtype.element_ty)
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _route_slots(gather_ids: torch.Tensor, offsets: torch.Tensor, S: int, E: int) -> torch.Tensor:
+    """Slot of every route: (h * S + s) * K + k, k = its rank in its (s, h)'s routes.
+
+    The CSR holds routes in ascending flat expert, so a stable sort by (h, s)
+    lists each (s, h)'s K routes in ascending expert order; the position in
+    that sorted list is the slot. Returns int64 [R]; torch ops only, no sync.
+    """
+    R = gather_ids.numel()
+    F = offsets.numel() - 1
+    counts = offsets[1:] - offsets[:-1]
+    flat = torch.repeat_interleave(torch.arange(F, device=offsets.device), counts, output_size=R)
+    key = (flat // E) * S + gather_ids.to(torch.int64)
+    if F // E * S < 2**31:  # a 32-bit radix sort takes half the passes of a 64-bit one
+        key = key.to(torch.int32)
+    order = torch.sort(key, stable=True).indices
+    slots = torch.empty(R, dtype=torch.int64, device=gather_ids.device)
+    slots[order] = torch.arange(R, dtype=torch.int64, device=gather_ids.device)
+    return slots
+
+
+def _tile_map(offsets: torch.Tensor, first: int, count: int, block_m: int, max_tiles: int):
+    """Tiles of experts [first, first + count): (tile_expert [max_tiles], tile_first [count]).
+
+    tile_expert[t] is the local expert of tile t, or `count` past the last tile;
+    tile_first[e] is the first tile of local expert e. Torch ops only, no sync.
+    """
+    seg = offsets[first:first + count + 1]
+    tiles = torch.div(seg[1:] - seg[:-1] + (block_m - 1), block_m, rounding_mode="floor")
+    ends = torch.cumsum(tiles, 0)
+    tile_first = (ends - tiles).to(torch.int32)
+    t = torch.arange(max_tiles, device=offsets.device, dtype=ends.dtype)
+    tile_expert = torch.searchsorted(ends, t, right=True, out_int32=True)
+    return tile_expert, tile_first
+
+
+def triton_expert_forward(
+    x_heads: torch.Tensor,
+    gather_ids: torch.Tensor,
+    sorted_probs: torch.Tensor,
+    offsets: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    *,
+    deterministic: bool = False,
+    config: ExpertForwardConfig | None = None,
+) -> torch.Tensor:
+    """Fused expert MLPs of every route, summed per (token, head) (SPEC section 4).
+
+    x_heads: [S, H, D] (bf16, fp16 or fp32); gather_ids: [R] int32/int64 token
+    of each route; sorted_probs: [R] float; offsets: [H*E + 1] int64 CSR by
+    flat expert; w_gate, w_up: [H*E, D, I]; w_down: [H*E, I, D] (D and I
+    multiples of 16 on the GPU). Returns y [S, H, D] in x_heads' dtype.
+
+    deterministic: bitwise reproducible and independent of the token order;
+    needs every (token, head) to have the same number K = R / (S*H) of routes
+    (true of every `sort_routes` layout). config: force tiles (tests).
+    Inputs are assumed valid (`experts.check_expert_inputs`); nothing is read
+    back to the host. Works on CUDA tensors, and on CPU tensors under
+    TRITON_INTERPRET=1.
+    """
+    S, H, D = x_heads.shape
+    F, _, I = w_gate.shape
+    E = F // H
+    R = gather_ids.numel()
+    device = x_heads.device
+    y = torch.empty(S, H, D, dtype=x_heads.dtype, device=device)
+    if S == 0 or R == 0 or D == 0:
+        return y.zero_()
+    if I == 0:
+        return y.zero_()
+    interpreting = _interpreting()
+    if config is None:
+        config = expert_forward_config(device, R / F, D, w_down.dtype, interpreting)
+    if x_heads.stride(2) != 1:
+        x_heads = x_heads.contiguous()
+    w_gate, w_up, w_down = w_gate.contiguous(), w_up.contiguous(), w_down.contiguous()
+    gather_ids, sorted_probs, offsets = (
+        gather_ids.contiguous(), sorted_probs.contiguous(), offsets.contiguous())
+    dot_fp32 = x_heads.dtype != w_down.dtype or w_down.dtype == torch.float32
+    uniform_k = R % (S * H) == 0
+    K = R // (S * H)
+
+    if deterministic:
+        if not uniform_k:
+            raise ValueError(f"expert_forward: deterministic mode needs the same number of "
+                             f"routes for every (token, head); R={R} is not a multiple of "
+                             f"S*H={S * H}")
+        slots = _route_slots(gather_ids, offsets, S, E)
+        per_head = S * K * D * 4
+        group = max(1, min(H, DETERMINISTIC_WORKSPACE_BYTES // per_head))
+    else:
+        slots = gather_ids  # unused by the kernel in this mode
+        per_head = S * D * 4
+        group = max(1, min(H, DEFAULT_WORKSPACE_BYTES // per_head))
+        if x_heads.dtype == torch.float32:
+            group = H  # accumulate straight into y: no workspace
+    block_d = triton.next_power_of_2(D)
+    # Descriptors need 16-byte aligned strides (D, I multiples of 16 give that)
+    # and boxes of at most 256 rows; wider heads take the pointer path.
+    use_tma = (config.tma and block_d == D and D <= 256 and (D * w_down.element_size()) % 16 == 0
+               and (I * w_down.element_size()) % 16 == 0)
+    # One workspace for the largest group; each group uses a prefix of it.
+    if deterministic:
+        workspace = torch.empty(group * S * K * D, dtype=torch.float32, device=device)
+    elif x_heads.dtype != torch.float32:
+        workspace = torch.empty(S * group * D, dtype=torch.float32, device=device)
+    for h0 in range(0, H, group):
+        g = min(group, H - h0)
+        # Every (token, head) of a uniform layout has exactly K routes, so the
+        # group owns S*g*K of them; otherwise any of the R routes may be its.
+        routes = S * g * K if uniform_k else R
+        if deterministic:
+            out = workspace[:g * S * K * D].view(g * S * K, D)
+        elif x_heads.dtype == torch.float32:
+            out = y.zero_()
+        else:
+            out = workspace[:S * g * D].view(S, g, D).zero_()
+        while True:
+            if use_tma:
+                weights = (
+                    TensorDescriptor.from_tensor(w_gate, [1, block_d, config.block_i]),
+                    TensorDescriptor.from_tensor(w_up, [1, block_d, config.block_i]),
+                    TensorDescriptor.from_tensor(w_down, [1, config.block_i, block_d]))
+            else:
+                weights = (w_gate, w_up, w_down)
+            max_tiles = triton.cdiv(routes, config.block_m) + g * E
+            tile_expert, tile_first = _tile_map(offsets, h0 * E, g * E, config.block_m,
+                                                max_tiles)
+            try:
+                _expert_forward_kernel[(max_tiles,)](
+                    x_heads, x_heads.stride(0), x_heads.stride(1),
+                    gather_ids, sorted_probs, offsets, tile_expert, tile_first,
+                    *weights, out, slots,
+                    E, h0 * E, g * E, h0, g, h0 * S * K,
+                    D=D, I=I, BLOCK_M=config.block_m, BLOCK_I=config.block_i,
+                    BLOCK_D=block_d, EVEN_D=D == block_d,
+                    EVEN_I=I % config.block_i == 0, DETERMINISTIC=deterministic,
+                    UPCAST=interpreting, DOT_FP32=dot_fp32,
+                    PRECISION="ieee" if dot_fp32 else "tf32",  # tf32 is ignored by 16-bit dots
+                    USE_TMA=use_tma,
+                    num_warps=config.num_warps, num_stages=config.num_stages,
+                )
+                break
+            except OutOfResources:
+                smaller = step_down(config)
+                if smaller is None:
+                    raise
+                config = smaller
+        if deterministic:
+            sum_p, sum_d = 32, min(128, block_d)
+            grid = (triton.cdiv(g * S, sum_p), triton.cdiv(D, sum_d))
+            _sum_slots_kernel[grid](
+                out, y, y.stride(0), y.stride(1), S, h0, g * S, D=D, K=K,
+                BLOCK_P=sum_p, BLOCK_D=sum_d, UPCAST=interpreting, num_warps=4,
+            )
+        elif x_heads.dtype != torch.float32:
+            y[:, h0:h0 + g].copy_(out)
+    return y
