@@ -205,7 +205,16 @@ def cmd_bench(args) -> int:
         sweep = [1024, 4096, 16384, 32768]
     else:
         sweep = [64, 128, 256, 512]
-    paths = available_backends(device)
+    if args.paths:
+        paths = args.paths.split(",")
+        missing = [p for p in paths if p not in available_backends(device)]
+        if missing:
+            raise ValueError(f"--paths {missing} cannot run on {device}; available: "
+                             f"{available_backends(device)}")
+    elif device.type == "cuda":
+        paths = ["triton"]  # the PyTorch path loops over 3072 experts: add it with --paths
+    else:
+        paths = ["torch"]
     env = environment(device)
     peaks = {}
     if device.type == "cuda":
@@ -324,6 +333,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_layer_options(bench)
     bench.add_argument("--tokens", default=None, help="comma list of token counts")
     bench.add_argument("--out", default="mhmoe-bench.json", help="JSON path (PNG beside it)")
+    bench.add_argument("--paths", default=None,
+                       help="comma list of expert paths (torch, triton); default: the fused "
+                       "kernel on a GPU, the PyTorch path on the CPU")
     bench.set_defaults(func=cmd_bench)
 
     inspect = sub.add_parser("inspect", help="list a checkpoint's MoE layers, report problems")
