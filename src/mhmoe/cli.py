@@ -211,10 +211,8 @@ def cmd_bench(args) -> int:
         if missing:
             raise ValueError(f"--paths {missing} cannot run on {device}; available: "
                              f"{available_backends(device)}")
-    elif device.type == "cuda":
-        paths = ["triton"]  # the PyTorch path loops over 3072 experts: add it with --paths
     else:
-        paths = ["torch"]
+        paths = available_backends(device)
     env = environment(device)
     peaks = {}
     if device.type == "cuda":
@@ -334,8 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--tokens", default=None, help="comma list of token counts")
     bench.add_argument("--out", default="mhmoe-bench.json", help="JSON path (PNG beside it)")
     bench.add_argument("--paths", default=None,
-                       help="comma list of expert paths (torch, triton); default: the fused "
-                       "kernel on a GPU, the PyTorch path on the CPU")
+                       help="comma list of expert paths (torch, triton); default: every path "
+                       "this machine can run")
     bench.set_defaults(func=cmd_bench)
 
     inspect = sub.add_parser("inspect", help="list a checkpoint's MoE layers, report problems")
