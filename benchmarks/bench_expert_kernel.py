@@ -76,7 +76,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="expert_kernel.json")
     parser.add_argument("--sizes", default="1024,4096,16384,32768")
-    parser.add_argument("--sweep", default="", help="configs m/i/w/s;... timed at every size")
+    parser.add_argument("--sweep", default="",
+                        help="configs m/i/w/s[/tma[/paired]];... timed at every size")
     parser.add_argument("--skip-checks", action="store_true")
     parser.add_argument("--commit", default=os.environ.get("MHMOE_COMMIT", ""))
     args = parser.parse_args()
@@ -150,7 +151,10 @@ def main() -> None:
                 checks[f"graph_det{int(det)}_error"] = repr(exc)[:300]
         print("determinism/graph", checks, flush=True)
 
-    sweep = [ExpertForwardConfig(*map(int, c.split("/"))) for c in args.sweep.split(";") if c]
+    # m/i/w/s[/tma[/paired]]: the last two are 0 or 1.
+    sweep = [ExpertForwardConfig(*(int(v) if n < 4 else bool(int(v))
+                                   for n, v in enumerate(c.split("/"))))
+             for c in args.sweep.split(";") if c]
 
     rows = []
     for S in map(int, args.sizes.split(",")):
@@ -184,7 +188,7 @@ def main() -> None:
                     row = {"S": S, "routing": "skew30" if skew else "uniform",
                            "mode": "det" if det else "default",
                            "config": f"{used.block_m}/{used.block_i}/{used.num_warps}/"
-                                     f"{used.num_stages}/{int(used.tma)}",
+                                     f"{used.num_stages}/{int(used.tma)}/{int(used.paired)}",
                            "forced": cfg is not None, "ms": t, "ms_repeat": t2,
                            "tflops": flops(S) / t / 1e9, "extra_mem_gb": extra / 1e9,
                            "out_gb": y.numel() * y.element_size() / 1e9,
@@ -202,10 +206,10 @@ def main() -> None:
     print(f"\nmatmul {ceil['matmul_tflops']:.0f} TFLOP/s, copy {ceil['copy_tbps']:.2f} TB/s")
     for k, v in checks.items():
         print(f"  {k}: {v}")
-    print(f"{'S':>6} {'routing':>8} {'mode':>8} {'config':>12} {'ms':>8} {'rep':>8} "
+    print(f"{'S':>6} {'routing':>8} {'mode':>8} {'config':>14} {'ms':>8} {'rep':>8} "
           f"{'TFLOP/s':>8} {'mem GB':>7} ok")
     for r in rows:
-        print(f"{r['S']:>6} {r['routing']:>8} {r['mode']:>8} {r['config']:>12} {r['ms']:8.3f} "
+        print(f"{r['S']:>6} {r['routing']:>8} {r['mode']:>8} {r['config']:>14} {r['ms']:8.3f} "
               f"{r['ms_repeat']:8.3f} {r['tflops']:8.1f} {r['extra_mem_gb']:7.3f} "
               f"{'ok' if r['no_nan'] and r['rel_vs_first'] < 0.01 else 'BAD'}")
 

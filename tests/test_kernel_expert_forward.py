@@ -8,11 +8,14 @@ no code with the kernel (no CSR, no tiles, no atomics).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 triton = pytest.importorskip("triton")
 
+import mhmoe.kernels.configs as configs  # noqa: E402
 import mhmoe.kernels.expert_forward as ef  # noqa: E402
 from mhmoe.kernels.configs import ExpertForwardConfig, expert_forward_config, step_down  # noqa: E402
 from mhmoe.reference import expert_forward_reference, sort_routes_reference  # noqa: E402
@@ -176,3 +179,81 @@ def test_configs():
     assert steps > 3  # stages, then block_i, then block_m shrink before giving up
     with pytest.raises(ValueError):
         ExpertForwardConfig(48, 32, 4, 1)
+
+
+def test_hopper_table():
+    # MAGI-2 rows per expert (S*K/E) at S = 1024, 4096, 16384, 32768: streaming
+    # sizes keep the bulk copies for gate/up, compute-bound ones pair them.
+    picks = [configs.pick(configs._HOPPER, rows) for rows in (24.0, 96.0, 384.0, 768.0)]
+    assert [(c.block_m, c.paired) for c in picks] == [
+        (64, False), (128, False), (128, True), (128, True)]
+    assert step_down(picks[-1]).paired  # shrinking keeps the choice
+
+
+PAIRED = ExpertForwardConfig(block_m=32, block_i=32, num_warps=4, num_stages=1, paired=True)
+
+
+def assert_same(y, ref):
+    """Equal on the CPU interpreter (same fp32 sums); on a GPU the wgmma shapes
+    differ, so allow the last bit of the output dtype."""
+    if DEVICE == "cpu":
+        assert torch.equal(y, ref)
+    else:
+        assert rel_err(y, ref) <= 2e-3
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize(
+    "S,H,E,K,D,I",
+    [
+        (7, 2, 4, 2, 32, 32),  # D a power of two: W_down through a descriptor
+        (5, 1, 3, 2, 48, 32),  # D = 48: masked loads of the pair and of W_down
+        (6, 2, 3, 2, 32, 48),  # I = 48: the last slice of the pair is partial
+        (40, 1, 2, 1, 16, 32),  # several tiles per expert
+    ],
+)
+def test_paired_gate_up(rng, deterministic, S, H, E, K, D, I):
+    # Gate and up slices as one [D, 2*block_i] operand (separate allocations).
+    check(rng, S, H, E, K, D, I, deterministic=deterministic, config=PAIRED)
+
+
+@pytest.mark.parametrize("up_first", [False, True])
+def test_paired_one_buffer(rng, up_first):
+    # Both tensors carved from one allocation, W_up before W_gate when up_first
+    # (a negative distance between them).
+    x, probs, indices, wg, wu, wd = make_problem(rng, 6, 2, 3, 2, 32, 48)
+    buf = torch.empty((2, *wg.shape), dtype=wg.dtype)
+    up_at, gate_at = (0, 1) if up_first else (1, 0)
+    buf[gate_at], buf[up_at] = wg, wu
+    bwg, bwu = buf[gate_at], buf[up_at]
+    delta = ef._pair_delta(bwg, bwu, interpreting=False)
+    assert delta == (-1 if up_first else 1) * wg.numel()
+    for config in (PAIRED, dataclasses.replace(PAIRED, tma=False)):
+        y = run(x, probs, indices, bwg, bwu, wd, config=config)
+        assert_same(y, run(x, probs, indices, wg, wu, wd, config=BIG))
+
+
+def test_paired_same_tensor(rng):
+    # W_up is W_gate (distance 0): still one operand, both halves the same.
+    x, probs, indices, wg, _, wd = make_problem(rng, 5, 2, 3, 2, 32, 32)
+    y = run(x, probs, indices, wg, wg, wd, config=PAIRED)
+    assert_same(y, run(x, probs, indices, wg, wg, wd, config=BIG))
+
+
+def test_pair_delta_fallback(rng):
+    # Pairs the kernel cannot load as one operand fall back to two dots.
+    wg = torch.randn(6, 16, 32).to(torch.bfloat16)
+    buf = torch.randn(6 * 16 * 32 + 8).to(torch.bfloat16)
+    shifted = buf[8:].view(6, 16, 32)  # 8 elements (16 bytes) from its neighbour: not 16
+    assert ef._pair_delta(buf[:-8].view(6, 16, 32), shifted, interpreting=False) is None
+    assert ef._pair_delta(wg, wg.float(), interpreting=False) is None  # two dtypes
+    assert ef._pair_delta(wg, wg.transpose(1, 2).contiguous().transpose(1, 2),
+                          interpreting=False) is None  # not contiguous
+    assert ef._pair_delta(wg, wg.clone(), interpreting=False) is not None
+    # The fallback computes the same numbers as the unpaired kernel.
+    x, probs, indices, _, _, wd = make_problem(rng, 5, 2, 3, 2, 16, 32)
+    w2 = torch.randn(2 * 6 * 16 * 32 + 8).to(torch.bfloat16)
+    g2, u2 = w2[:6 * 16 * 32].view(6, 16, 32), w2[6 * 16 * 32 + 8:].view(6, 16, 32)
+    assert ef._pair_delta(g2, u2, interpreting=False) is None
+    y = run(x, probs, indices, g2, u2, wd, config=PAIRED)
+    assert_same(y, run(x, probs, indices, g2, u2, wd, config=BIG))

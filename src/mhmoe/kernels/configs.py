@@ -26,6 +26,10 @@ class ExpertForwardConfig:
     num_stages: software-pipelining depth of the weight-slice loads.
     tma:        load weight slices with tensor descriptors (bulk copies) where
                 the shapes allow; False forces per-thread pointer loads.
+    paired:     multiply x by the gate and up slices as one [D, 2*block_i]
+                operand (one wgmma of N = 2*block_i, per-thread pointer loads
+                over both tensors) where W_gate and W_up allow it; `tma` then
+                applies to W_down alone. False: two dots, gate and up.
     """
 
     block_m: int
@@ -33,6 +37,7 @@ class ExpertForwardConfig:
     num_warps: int
     num_stages: int
     tma: bool = True
+    paired: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_i"):
@@ -54,9 +59,15 @@ class ExpertForwardConfig:
 # weights (small block_m wastes less tensor-core work on padding); many rows
 # make it compute-bound (block_m = 128 halves the weight re-reads from L2
 # against 64, and two warpgroups share each weight slice in shared memory).
+# paired (one N=64 wgmma for gate|up through pointer loads) pays only where the
+# x tile is reused over several row blocks per expert: measured on an H200
+# (benchmarks/NOTES.md, v4) -8% at 384 rows per expert, -6% at 768, but +6% at
+# 96, where the kernel streams weights and the bulk copies of `tma` win.
 _HOPPER = (
     (40.0, ExpertForwardConfig(block_m=64, block_i=32, num_warps=4, num_stages=4)),
-    (float("inf"), ExpertForwardConfig(block_m=128, block_i=32, num_warps=8, num_stages=3)),
+    (192.0, ExpertForwardConfig(block_m=128, block_i=32, num_warps=8, num_stages=3)),
+    (float("inf"), ExpertForwardConfig(block_m=128, block_i=32, num_warps=8, num_stages=3,
+                                       paired=True)),
 )
 # Ampere/Ada and unknown CUDA GPUs: less shared memory, no wgmma.
 _GENERIC_CUDA = (
@@ -111,7 +122,7 @@ def expert_forward_config(
         table = _INTERPRETER
     else:
         table = _TABLES.get(arch, _GENERIC_CUDA)
-    cfg = next(c for bound, c in table if rows_per_expert <= bound)
+    cfg = pick(table, rows_per_expert)
     limit = _SMEM_BYTES.get(arch, _SMEM_DEFAULT) if arch is not None else None
     elem = 4 if dtype == torch.float32 else 2
     while limit is not None and _smem_bytes(cfg, d, elem) > limit:
@@ -120,6 +131,11 @@ def expert_forward_config(
             break
         cfg = smaller
     return cfg
+
+
+def pick(table, rows_per_expert: float) -> ExpertForwardConfig:
+    """The config of the first row of `table` whose bound is >= rows_per_expert."""
+    return next(c for bound, c in table if rows_per_expert <= bound)
 
 
 def step_down(cfg: ExpertForwardConfig) -> ExpertForwardConfig | None:

@@ -68,10 +68,12 @@ def _expert_forward_kernel(
     wg_ptr, wu_ptr, wd_ptr,  # [H*E, D, I], [H*E, D, I], [H*E, I, D]: pointers or TMA descriptors
     out_ptr, slot_ptr,  # default: fp32 [S, G, D]; deterministic: fp32 [G*S*K, D], slots [R]
     E, first_expert, num_experts, first_head, group_heads, slot_base,
+    pair_delta,  # PAIRED: (w_up - w_gate) in elements, any sign, a multiple of 16
     D: tl.constexpr, I: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, EVEN_I: tl.constexpr, DETERMINISTIC: tl.constexpr,
     UPCAST: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    PAIRED: tl.constexpr,
 ):
     """Expert MLPs of one tile of routes.
 
@@ -86,6 +88,15 @@ def _expert_forward_kernel(
     fp32 dtypes, multiplied in full fp32 (no tf32), as the reference does.
     USE_TMA: the w_* arguments are tensor descriptors with blocks
     [1, BLOCK_D, BLOCK_I] (gate, up) and [1, BLOCK_I, BLOCK_D] (down).
+    PAIRED: wg_ptr is a pointer and W_up[f] starts pair_delta elements after
+    W_gate[f] (wu_ptr is unused); each slice of both is loaded as one
+    [BLOCK_D, 2 * BLOCK_I] operand (gate columns, then up columns), so gate
+    and up take one wgmma of N = 2 * BLOCK_I instead of two of N = BLOCK_I:
+    the x tile (the A operand, read from shared memory by every wgmma) is
+    read once per slice instead of twice. Pointer loads rather than a
+    descriptor: no TMA box lays the two tensors side by side in the layout
+    the wgmma reads, and Triton 3.6 copies such a tile through registers.
+    USE_TMA then applies to W_down alone.
     """
     pid = tl.program_id(0)
     e = tl.load(tile_expert_ptr + pid)
@@ -108,35 +119,58 @@ def _expert_forward_kernel(
         x = x.to(tl.float32)
 
     i = tl.arange(0, BLOCK_I)
-    if not USE_TMA:
+    if PAIRED:
+        c = tl.arange(0, 2 * BLOCK_I)
+        c_i = c % BLOCK_I  # column c of the pair is column c_i of gate (c < BLOCK_I) or up
+        gu_ptrs = (wg_ptr + f * D * I + d[:, None] * I + c_i[None, :]
+                   + (c // BLOCK_I)[None, :] * pair_delta)  # [BLOCK_D, 2 * BLOCK_I]
+    elif not USE_TMA:
         wg_ptrs = wg_ptr + f * D * I + d[:, None] * I + i[None, :]  # [BLOCK_D, BLOCK_I]
         wu_ptrs = wu_ptr + f * D * I + d[:, None] * I + i[None, :]
+    if not USE_TMA:
         wd_ptrs = wd_ptr + f * I * D + i[:, None] * D + d[None, :]  # [BLOCK_I, BLOCK_D]
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for i0 in range(0, I, BLOCK_I):
-        if USE_TMA:
+        # Zero-filled weights past D or I make g = u = 0, so a = 0 there.
+        if PAIRED:
+            if EVEN_D and EVEN_I:
+                gu = tl.load(gu_ptrs)
+            else:
+                gu = tl.load(gu_ptrs, mask=d_ok[:, None] & (i0 + c_i < I)[None, :], other=0.0)
+        elif USE_TMA:
             # Bulk tensor copies: no per-thread addresses, and the descriptors'
             # bounds zero-fill the slice past I (the same effect as the masks).
             wg = wg_ptr.load([f.to(tl.int32), 0, i0]).reshape(BLOCK_D, BLOCK_I)
             wu = wu_ptr.load([f.to(tl.int32), 0, i0]).reshape(BLOCK_D, BLOCK_I)
-            wd = wd_ptr.load([f.to(tl.int32), i0, 0]).reshape(BLOCK_I, BLOCK_D)
         elif EVEN_D and EVEN_I:
             wg = tl.load(wg_ptrs)
             wu = tl.load(wu_ptrs)
-            wd = tl.load(wd_ptrs)
         else:
-            # Zero-filled weights past D or I make g = u = 0, so a = 0 there.
             gu_ok = d_ok[:, None] & (i0 + i < I)[None, :]
             wg = tl.load(wg_ptrs, mask=gu_ok, other=0.0)
             wu = tl.load(wu_ptrs, mask=gu_ok, other=0.0)
+        if USE_TMA:
+            wd = wd_ptr.load([f.to(tl.int32), i0, 0]).reshape(BLOCK_I, BLOCK_D)
+        elif EVEN_D and EVEN_I:
+            wd = tl.load(wd_ptrs)
+        else:
             wd = tl.load(wd_ptrs, mask=(i0 + i < I)[:, None] & d_ok[None, :], other=0.0)
         w_dtype = wd.dtype
         if UPCAST or DOT_FP32:
-            wg = wg.to(tl.float32)
-            wu = wu.to(tl.float32)
             wd = wd.to(tl.float32)
-        g = tl.dot(x, wg, input_precision=PRECISION)
-        u = tl.dot(x, wu, input_precision=PRECISION)
+        if PAIRED:
+            if UPCAST or DOT_FP32:
+                gu = gu.to(tl.float32)
+            gu = tl.dot(x, gu, input_precision=PRECISION)  # [BLOCK_M, 2 * BLOCK_I] = [g | u]
+            # In the wgmma accumulator layout a thread holds columns j and
+            # j + BLOCK_I alike, so this split stays in registers.
+            g, u = gu.reshape(BLOCK_M, 2, BLOCK_I).permute(0, 2, 1).split()
+        else:
+            if UPCAST or DOT_FP32:
+                wg = wg.to(tl.float32)
+                wu = wu.to(tl.float32)
+            g = tl.dot(x, wg, input_precision=PRECISION)
+            u = tl.dot(x, wu, input_precision=PRECISION)
         g = tl.minimum(g, 7.0)
         u = tl.minimum(tl.maximum(u, -7.0), 7.0)
         # g * sigmoid(1.702 g) as g / (1 + 2^(-1.702 log2(e) g)) with the fast
@@ -150,9 +184,12 @@ def _expert_forward_kernel(
             if DOT_FP32:
                 a = a.to(tl.float32)
         acc = tl.dot(a, wd, acc, input_precision=PRECISION)
-        if not USE_TMA:
+        if PAIRED:
+            gu_ptrs += BLOCK_I
+        elif not USE_TMA:
             wg_ptrs += BLOCK_I
             wu_ptrs += BLOCK_I
+        if not USE_TMA:
             wd_ptrs += BLOCK_I * D
 
     prob = tl.load(probs_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
@@ -195,6 +232,26 @@ def _sum_slots_kernel(
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _pair_delta(w_gate: torch.Tensor, w_up: torch.Tensor, interpreting: bool) -> int | None:
+    """Distance from W_gate to W_up in elements when the kernel may load them as one
+    operand (PAIRED), else None.
+
+    Both contiguous, of one dtype and shape; the distance a whole number of
+    elements and a multiple of 16 (so every 16-byte vector of the pair stays
+    aligned and Triton knows it). Any sign: w_up may lie before w_gate, or in
+    another allocation (the GPU's address space is flat). The interpreter copies
+    CUDA tensors to the host one by one, which breaks the distance: CPU only there.
+    """
+    if (w_gate.dtype != w_up.dtype or w_gate.shape != w_up.shape
+            or not (w_gate.is_contiguous() and w_up.is_contiguous())
+            or (interpreting and w_gate.device.type != "cpu")):
+        return None
+    delta, rest = divmod(w_up.data_ptr() - w_gate.data_ptr(), w_gate.element_size())
+    if rest or delta % 16 or abs(delta) >= 2**62:
+        return None
+    return delta
 
 
 def _route_slots(gather_ids: torch.Tensor, offsets: torch.Tensor, S: int, E: int) -> torch.Tensor:
@@ -299,6 +356,7 @@ def triton_expert_forward(
     # and boxes of at most 256 rows; wider heads take the pointer path.
     use_tma = (config.tma and block_d == D and D <= 256 and (D * w_down.element_size()) % 16 == 0
                and (I * w_down.element_size()) % 16 == 0)
+    pair_delta = _pair_delta(w_gate, w_up, interpreting) if config.paired else None
     # One workspace for the largest group; each group uses a prefix of it.
     if deterministic:
         workspace = torch.empty(group * S * K * D, dtype=torch.float32, device=device)
@@ -316,13 +374,17 @@ def triton_expert_forward(
         else:
             out = workspace[:S * g * D].view(S, g, D).zero_()
         while True:
-            if use_tma:
-                weights = (
-                    TensorDescriptor.from_tensor(w_gate, [1, block_d, config.block_i]),
-                    TensorDescriptor.from_tensor(w_up, [1, block_d, config.block_i]),
-                    TensorDescriptor.from_tensor(w_down, [1, config.block_i, block_d]))
+            if pair_delta is not None:
+                gate_up = (w_gate, w_up)  # w_up is not read: the kernel goes by pair_delta
+            elif use_tma:
+                gate_up = (TensorDescriptor.from_tensor(w_gate, [1, block_d, config.block_i]),
+                           TensorDescriptor.from_tensor(w_up, [1, block_d, config.block_i]))
             else:
-                weights = (w_gate, w_up, w_down)
+                gate_up = (w_gate, w_up)
+            if use_tma:
+                down = TensorDescriptor.from_tensor(w_down, [1, config.block_i, block_d])
+            else:
+                down = w_down
             max_tiles = triton.cdiv(routes, config.block_m) + g * E
             tile_expert, tile_first = _tile_map(offsets, h0 * E, g * E, config.block_m,
                                                 max_tiles)
@@ -330,14 +392,14 @@ def triton_expert_forward(
                 _expert_forward_kernel[(max_tiles,)](
                     x_heads, x_heads.stride(0), x_heads.stride(1),
                     gather_ids, sorted_probs, offsets, tile_expert, tile_first,
-                    *weights, out, slots,
-                    E, h0 * E, g * E, h0, g, h0 * S * K,
+                    *gate_up, down, out, slots,
+                    E, h0 * E, g * E, h0, g, h0 * S * K, pair_delta or 0,
                     D=D, I=I, BLOCK_M=config.block_m, BLOCK_I=config.block_i,
                     BLOCK_D=block_d, EVEN_D=D == block_d,
                     EVEN_I=I % config.block_i == 0, DETERMINISTIC=deterministic,
                     UPCAST=interpreting, DOT_FP32=dot_fp32,
                     PRECISION="ieee" if dot_fp32 else "tf32",  # tf32 is ignored by 16-bit dots
-                    USE_TMA=use_tma,
+                    USE_TMA=use_tma, PAIRED=pair_delta is not None,
                     num_warps=config.num_warps, num_stages=config.num_stages,
                 )
                 break
