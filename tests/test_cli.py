@@ -111,3 +111,9 @@ def test_make_checkpoint_inspect_demo_and_a_corrupt_file(tmp_path):
 def test_inspect_of_a_missing_path():
     proc = mhmoe("inspect", "/nonexistent/ckpt", check=False)
     assert proc.returncode == 1 and "/nonexistent/ckpt" in proc.stdout
+
+
+def test_demo_train_loss_falls():
+    out = mhmoe("demo", "--train", "--steps", "12").stdout
+    first, last = map(float, re.search(r"loss ([0-9.]+) -> ([0-9.]+)", out).groups())
+    assert last < 0.8 * first and "ok" in out, out

@@ -170,10 +170,12 @@ def _expert_backward_op(grad_y: torch.Tensor, x_heads: torch.Tensor, gather_ids:
                         w_up: torch.Tensor, w_down: torch.Tensor, deterministic: bool,
                         backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                torch.Tensor, torch.Tensor]:
-    # The fused backward is issue 5: every path differentiates through the PyTorch
-    # backward for now (deterministic: it adds in a fixed order, like the forward).
-    del deterministic
-    resolve_backend(backend, x_heads.device)
+    if _pick_path(backend, x_heads, w_gate) == "triton":
+        from .kernels.expert_backward import triton_expert_backward
+
+        return triton_expert_backward(grad_y, x_heads, gather_ids, sorted_probs, offsets, w_gate,
+                                      w_up, w_down, deterministic=deterministic)
+    # The PyTorch backward adds in a fixed order: deterministic by construction.
     return expert_backward_reference(grad_y, x_heads, gather_ids, sorted_probs, offsets, w_gate,
                                      w_up, w_down)
 
@@ -224,7 +226,8 @@ def expert_forward(
     returns y_heads [S, H, D] in x_heads' dtype.
 
     Differentiable in x_heads, sorted_probs and the three weights; the
-    backward recomputes the activations rather than storing them.
+    backward (fused kernels on the triton path) recomputes the activations
+    rather than storing them: autograd keeps only the inputs of this call.
 
     deterministic: the result is bitwise reproducible and independent of the
     order of the routes within an expert: the K routes of a (token, head) are
