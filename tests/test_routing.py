@@ -213,3 +213,61 @@ def test_sort_routes_rejects_bad_input():
         mhmoe.sort_routes(probs, torch.zeros(1, 2, 3, dtype=torch.int64), 4)
     with pytest.raises(ValueError, match="integers"):
         mhmoe.sort_routes(probs, torch.zeros(1, 2, 2), 4)
+
+
+# ------------------------------------- the Triton routing path through the public functions
+
+
+@pytest.mark.parametrize("score_func", ["sigmoid", "softmax"])
+@pytest.mark.parametrize("route_norm", [True, False])
+def test_route_probs_backward_matches_autograd(rng, score_func, route_norm):
+    # The hand-written backward the Triton op registers, against autograd of the
+    # float64 reference formula.
+    from mhmoe.reference import route_probs_backward, route_reference
+
+    logits = (torch.randn(2, 5, 8, generator=rng, dtype=torch.float64) * 2).requires_grad_()
+    probs, indices = route_reference(logits, 3, score_func, route_norm=route_norm,
+                                     route_scale=2.5)
+    grad = torch.randn(probs.shape, generator=rng, dtype=torch.float64)
+    (expected,) = torch.autograd.grad(probs, logits, grad)
+    got = route_probs_backward(logits.detach(), indices, grad, score_func, route_norm, 1e-12, 2.5)
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("score_func", ["sigmoid", "softmax"])
+def test_triton_route_and_layout_equal_torch_with_gradients(rng, score_func):
+    H, S, E, K = 3, 11, 12, 4
+    logits = (torch.randn(H, S, E, generator=rng) * 2).requires_grad_()
+    bias = torch.randn(H * E, generator=rng) * 0.1
+    outs = {}
+    for backend in ("torch", "triton"):
+        lg = logits.detach().clone().requires_grad_()
+        probs, indices = mhmoe.route(lg, K, score_func, bias, route_scale=4.9, backend=backend)
+        layout = mhmoe.sort_routes(probs, indices, E, backend=backend)
+        w = torch.arange(layout.sorted_probs.numel(), dtype=torch.float32)
+        (grad,) = torch.autograd.grad((layout.sorted_probs * w).sum(), lg)
+        outs[backend] = (probs.detach(), indices, layout, grad)
+    (p_t, i_t, l_t, g_t), (p_k, i_k, l_k, g_k) = outs["torch"], outs["triton"]
+    assert torch.equal(i_t, i_k)
+    torch.testing.assert_close(p_k, p_t, rtol=1e-6, atol=1e-7)
+    assert torch.equal(l_t.gather_ids, l_k.gather_ids) and torch.equal(l_t.offsets, l_k.offsets)
+    torch.testing.assert_close(l_k.sorted_probs, l_t.sorted_probs, rtol=1e-6, atol=1e-7)
+    # softmax spreads the gradient over every expert: compare as a whole (fp32 sums)
+    assert ((g_k - g_t).norm() / g_t.norm()).item() < 1e-5
+
+
+def test_triton_routing_ops_registration(rng):
+    from mhmoe.routing import _route_triton_op, _sort_routes_triton_op
+
+    logits = torch.randn(2, 4, 8, generator=rng).requires_grad_()
+    torch.library.opcheck(_route_triton_op, (logits, 3, "sigmoid", None, True, 1e-12, 2.0, 1, 1))
+    probs, indices = mhmoe.route(logits.detach(), 3)
+    torch.library.opcheck(_sort_routes_triton_op, (probs.requires_grad_(), indices, 8))
+
+
+def test_triton_routing_refuses_float64():
+    with pytest.raises(ValueError, match="float32"):
+        mhmoe.route(torch.randn(1, 2, 4, dtype=torch.float64), 2, backend="triton")
+    # auto keeps float64 on the PyTorch path (the CPU here: always the PyTorch path)
+    probs, _ = mhmoe.route(torch.randn(1, 2, 4, dtype=torch.float64), 2)
+    assert probs.dtype == torch.float64

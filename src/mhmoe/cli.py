@@ -244,6 +244,7 @@ def _bench_point(layer, path: str, tokens: int, device: torch.device, runs: int)
 
 
 def cmd_bench(args) -> int:
+    from .backends import available_backends
     from .bench import (
         copy_bandwidth_tbs,
         environment,
@@ -251,7 +252,6 @@ def cmd_bench(args) -> int:
         plot_results,
         write_results,
     )
-    from .experts import available_backends
 
     device = _device(args.device)
     config = _demo_config(args, device)
@@ -267,8 +267,10 @@ def cmd_bench(args) -> int:
         if missing:
             raise ValueError(f"--paths {missing} cannot run on {device}; available: "
                              f"{available_backends(device)}")
-    else:
+    elif device.type == "cuda":
         paths = available_backends(device)
+    else:
+        paths = ["torch"]  # on the CPU the kernels only run in the (slow) interpreter
     env = environment(device)
     peaks = {}
     if device.type == "cuda":
@@ -393,8 +395,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--tokens", default=None, help="comma list of token counts")
     bench.add_argument("--out", default="mhmoe-bench.json", help="JSON path (PNG beside it)")
     bench.add_argument("--paths", default=None,
-                       help="comma list of expert paths (torch, triton); default: every path "
-                       "this machine can run")
+                       help="comma list of expert paths (torch, triton); default: both on a "
+                       "GPU, torch on the CPU")
     bench.set_defaults(func=cmd_bench)
 
     inspect = sub.add_parser("inspect", help="list a checkpoint's MoE layers, report problems")

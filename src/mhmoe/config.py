@@ -10,7 +10,6 @@ import torch
 
 SCORE_FUNCS = ("sigmoid", "softmax")
 BIAS_SOURCES = ("ema", "main")
-BACKENDS = ("auto", "torch", "triton")
 
 _DTYPES = {
     "bfloat16": torch.bfloat16,

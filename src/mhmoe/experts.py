@@ -8,50 +8,17 @@ kernel on CUDA and the PyTorch path elsewhere.
 
 from __future__ import annotations
 
-import functools
-import os
 import warnings
 
 import torch
 
+from .backends import resolve_backend as _resolve
 from .reference import expert_backward_reference, expert_forward_reference, swiglu7_reference
-
-BACKENDS = ("auto", "torch", "triton")
-
-
-@functools.cache
-def triton_importable() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def available_backends(device: torch.device | str) -> list[str]:
-    """The expert paths that can run on `device`, slowest first."""
-    device = torch.device(device)
-    paths = ["torch"]
-    if triton_importable() and (device.type == "cuda" or
-                                os.environ.get("TRITON_INTERPRET") == "1"):
-        paths.append("triton")
-    return paths
 
 
 def resolve_backend(backend: str, device: torch.device | str) -> str:
-    """The path `backend` takes on `device`: "auto" is the fused kernel on CUDA,
-    the PyTorch path elsewhere; an explicit path that cannot run is an error."""
-    if backend not in BACKENDS:
-        raise ValueError(f"expert_forward: backend must be one of {BACKENDS}, got {backend!r}")
-    device = torch.device(device)
-    if backend == "auto":
-        return "triton" if device.type == "cuda" and "triton" in available_backends(device) \
-            else "torch"
-    if backend not in available_backends(device):
-        raise ValueError(f"expert_forward: backend {backend!r} cannot run on {device} (the "
-                         f"triton path needs a CUDA device, or TRITON_INTERPRET=1 on the CPU, "
-                         f"and the triton package)")
-    return backend
+    """The expert path `backend` takes on `device` (see backends.py)."""
+    return _resolve(backend, device, op="expert_forward")
 
 
 def kernel_shape_problem(x_heads: torch.Tensor, w_gate: torch.Tensor) -> str | None:

@@ -8,8 +8,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .backends import BACKENDS
 from .config import BIAS_SOURCES, MultiHeadMoEConfig
-from .experts import BACKENDS, expert_forward
+from .experts import expert_forward
 from .parallel import HeadPartition, dispatch, gather_token_counts, undispatch
 from .routing import route, sort_routes
 
@@ -52,6 +53,31 @@ class RouterBiases(nn.Module):
                                         requires_grad=False)
         self.expert_bias_ema = nn.Parameter(torch.zeros(rows, device=device, dtype=dtype),
                                             requires_grad=False)
+
+
+class _RouterLogits(torch.autograd.Function):
+    """logits[h, s, e] = x[s, h] . gate[h, e] in the router's dtype (float32).
+
+    Autograd of the plain `bmm(x.float(), gate^T)` would save the float32 copy
+    of x (12 KB per token for MAGI-2); this saves x as it is (the expert op
+    keeps it anyway) and upcasts again in the backward.
+    x_heads: [S, H, D]; gate: [H, E, D] -> logits [H, S, E]
+    """
+
+    @staticmethod
+    def forward(ctx, x_heads, gate):
+        ctx.save_for_backward(x_heads, gate)
+        return torch.bmm(x_heads.transpose(0, 1).to(gate.dtype), gate.transpose(1, 2))
+
+    @staticmethod
+    def backward(ctx, grad):
+        x_heads, gate = ctx.saved_tensors
+        grad_x = grad_gate = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.bmm(grad, gate).transpose(0, 1).to(x_heads.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_gate = torch.bmm(grad.transpose(1, 2), x_heads.transpose(0, 1).to(gate.dtype))
+        return grad_x, grad_gate
 
 
 class MultiHeadMoE(nn.Module):
@@ -157,17 +183,17 @@ class MultiHeadMoE(nn.Module):
         cfg = self.config
         Hl = self.partition.local_heads
         gate = self.gate.view(Hl, cfg.num_experts, cfg.head_dim)
-        logits = torch.bmm(x_heads.transpose(0, 1).to(gate.dtype), gate.transpose(1, 2))
+        logits = _RouterLogits.apply(x_heads, gate)
         return route(logits, cfg.top_k, cfg.score_func,
                      expert_bias=self.selection_bias().view(Hl, cfg.num_experts),
                      route_norm=cfg.route_norm, norm_eps=cfg.norm_eps,
                      route_scale=cfg.route_scale, num_groups=cfg.num_groups,
-                     topk_groups=cfg.topk_groups)
+                     topk_groups=cfg.topk_groups, backend=self.backend)
 
     def forward_heads(self, x_heads: torch.Tensor) -> torch.Tensor:
         """The layer on this rank's heads. x_heads: [S, local_heads, D] -> same."""
         probs, indices = self.route_heads(x_heads)
-        layout = sort_routes(probs, indices, self.config.num_experts)
+        layout = sort_routes(probs, indices, self.config.num_experts, backend=self.backend)
         return expert_forward(x_heads, *layout, self.W_gate, self.W_up, self.W_down,
                               deterministic=self.deterministic, backend=self.backend)
 

@@ -44,17 +44,25 @@ def route_reference(
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     logits = logits.to(dtype)
     if score_func == "sigmoid":
-        scores = torch.sigmoid(logits)
+        scores = torch.sigmoid(logits.detach())
     else:
         scores = torch.softmax(logits, dim=-1)
-    select = scores
-    if expert_bias is not None:
-        select = scores + expert_bias.to(dtype).reshape(H, 1, E)
-    select = torch.where(torch.isnan(select), float("-inf"), select)
-    if num_groups > 1:
-        select = _limit_to_groups(select, num_groups, topk_groups)
-    indices = torch.sort(select, dim=-1, descending=True, stable=True).indices[..., :top_k]
-    probs = scores.gather(-1, indices)
+    # Selection has no gradient: keep it out of the autograd graph, so that
+    # nothing of size [H, S, E] is saved for it.
+    with torch.no_grad():
+        select = scores
+        if expert_bias is not None:
+            select = scores + expert_bias.to(dtype).reshape(H, 1, E)
+        select = torch.where(torch.isnan(select), float("-inf"), select)
+        if num_groups > 1:
+            select = _limit_to_groups(select, num_groups, topk_groups)
+        # contiguous: a view would keep the whole [H, S, E] sort result alive.
+        indices = torch.sort(select, dim=-1, descending=True, stable=True) \
+            .indices[..., :top_k].contiguous()
+    if score_func == "sigmoid":
+        probs = _GatheredSigmoid.apply(logits, scores.gather(-1, indices), indices)
+    else:
+        probs = scores.gather(-1, indices)
     if route_norm:
         # Summed left to right in selection order, as the published code does.
         total = probs[..., 0]
@@ -63,6 +71,28 @@ def route_reference(
         probs = probs / total.clamp_min(norm_eps).unsqueeze(-1)
     probs = probs * route_scale
     return probs, indices
+
+
+class _GatheredSigmoid(torch.autograd.Function):
+    """sigmoid(logits).gather(-1, indices) with a backward that saves only the K
+    picked values: d logits = scatter(grad * p * (1 - p)), zero elsewhere.
+
+    The forward values are the gathered full scores, bit for bit; autograd of the
+    plain formula would keep the [H, S, E] sigmoid output alive for the backward.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, picked, indices):
+        ctx.save_for_backward(picked, indices)
+        ctx.logits_shape = logits.shape
+        return picked
+
+    @staticmethod
+    def backward(ctx, grad):
+        picked, indices = ctx.saved_tensors
+        grad_logits = grad.new_zeros(ctx.logits_shape)
+        grad_logits.scatter_(-1, indices, grad * picked * (1 - picked))
+        return grad_logits, None, None
 
 
 def _limit_to_groups(select: torch.Tensor, num_groups: int, topk_groups: int) -> torch.Tensor:
@@ -251,3 +281,42 @@ def expert_backward_reference(
         dx.index_add_(0, rows, dg @ wg.transpose(0, 1) + du @ wu.transpose(0, 1))
     return (dx.view(S, H, D).to(x_heads.dtype), dprobs.to(sorted_probs.dtype),
             d_gate.to(w_gate.dtype), d_up.to(w_up.dtype), d_down.to(w_down.dtype))
+
+
+def route_probs_backward(
+    logits: torch.Tensor,
+    indices: torch.Tensor,
+    grad_probs: torch.Tensor,
+    score_func: str,
+    route_norm: bool,
+    norm_eps: float,
+    route_scale: float,
+) -> torch.Tensor:
+    """d logits of `route` given d probs, with the selection `indices` fixed.
+
+    logits: [H, S, E]; indices, grad_probs: [H, S, K] -> [H, S, E] (logits' dtype).
+    Written out (rather than autograd) so the Triton routing op can register it:
+    out_k = s q_k / max(T, eps), T = sum_j q_j, q = the picked scores, gives
+    dq_j = s go_j / d - s sum_k(go_k q_k) / d^2 (the second term only where
+    T >= eps, as clamp_min passes gradients); sigmoid: dl = dq q (1 - q) at
+    the picked experts; softmax: dl = p * (scatter(dq) - sum_k dq_k q_k).
+    """
+    if score_func == "sigmoid":
+        q = torch.sigmoid(logits.gather(-1, indices))
+    else:
+        full = torch.softmax(logits, dim=-1)
+        q = full.gather(-1, indices)
+    go = grad_probs.to(q.dtype) * route_scale
+    if route_norm:
+        total = q[..., 0]
+        for k in range(1, q.shape[-1]):
+            total = total + q[..., k]
+        denom = total.clamp_min(norm_eps)
+        shared = (go * q).sum(-1) / denom.square() * (total >= norm_eps)
+        gq = go / denom.unsqueeze(-1) - shared.unsqueeze(-1)
+    else:
+        gq = go
+    if score_func == "sigmoid":
+        return torch.zeros_like(logits).scatter_(-1, indices, gq * q * (1 - q))
+    spread = torch.zeros_like(logits).scatter_(-1, indices, gq)
+    return full * (spread - (gq * q).sum(-1, keepdim=True))

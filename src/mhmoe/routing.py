@@ -17,8 +17,9 @@ from typing import NamedTuple
 
 import torch
 
+from .backends import resolve_backend
 from .config import SCORE_FUNCS, check_groups
-from .reference import route_reference, sort_routes_reference
+from .reference import route_probs_backward, route_reference, sort_routes_reference
 
 
 class RouteLayout(NamedTuple):
@@ -45,6 +46,8 @@ def route(
     route_scale: float = 1.0,
     num_groups: int = 1,
     topk_groups: int = 1,
+    *,
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick the top_k experts of every (head, token) and their probabilities.
 
@@ -58,6 +61,10 @@ def route(
     -inf); if fewer than K experts of a row are finite, NaN experts fill the
     rest in ascending id and that row's probabilities are NaN. Indices always
     lie in [0, E) and no other row is affected.
+
+    backend: "auto" (the Triton kernel for float32 CUDA logits, PyTorch
+    elsewhere), "torch" or "triton". Both give the same indices (ties
+    included) and probabilities, and both are differentiable in logits.
     """
     if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
         raise ValueError(f"route: logits must be a [H, S, E] tensor, got shape "
@@ -80,14 +87,27 @@ def route(
     if not norm_eps > 0:
         raise ValueError(f"route: norm_eps must be > 0, got {norm_eps!r}")
     check_groups(E, num_groups, topk_groups, prefix="route: ")
+    path = resolve_backend(backend, logits.device, op="route")
+    if path == "triton" and logits.dtype == torch.float64:
+        if backend == "triton":
+            raise ValueError("route: the triton path takes float32 logits; float64 runs on "
+                             "backend='torch'")
+        path = "torch"
+    if path == "triton":
+        return _route_triton_op(logits, top_k, score_func, expert_bias, route_norm,
+                                float(norm_eps), float(route_scale), num_groups, topk_groups)
     return route_reference(logits, top_k, score_func, expert_bias, route_norm, norm_eps,
                            route_scale, num_groups, topk_groups)
 
 
-def sort_routes(probs: torch.Tensor, indices: torch.Tensor, num_experts: int) -> RouteLayout:
+def sort_routes(probs: torch.Tensor, indices: torch.Tensor, num_experts: int, *,
+                backend: str = "auto") -> RouteLayout:
     """Group the routes by flat expert: see `RouteLayout` for the fields.
 
     probs: [H, S, K] float; indices: [H, S, K] int, each in [0, num_experts)
+    backend: "auto" (a Triton counting sort on CUDA, PyTorch's stable sort
+    elsewhere), "torch" or "triton"; the layouts are identical. Neither reads
+    anything back to the host. sorted_probs is differentiable in probs.
     """
     if indices.dim() != 3 or probs.shape != indices.shape:
         raise ValueError(f"sort_routes: probs and indices must both be [H, S, K], got "
@@ -107,4 +127,94 @@ def sort_routes(probs: torch.Tensor, indices: torch.Tensor, num_experts: int) ->
         if low < 0 or high >= num_experts:
             raise ValueError(f"sort_routes: indices must lie in [0, {num_experts}), found "
                              f"values in [{low}, {high}]")
+    path = resolve_backend(backend, indices.device, op="sort_routes")
+    if path == "triton" and probs.dtype == torch.float64:
+        if backend == "triton":
+            raise ValueError("sort_routes: the triton path takes float32 probs; float64 runs "
+                             "on backend='torch'")
+        path = "torch"
+    if path == "triton":
+        sorted_probs, gather_ids, offsets, _ = _sort_routes_triton_op(probs, indices,
+                                                                     num_experts)
+        return RouteLayout(gather_ids, sorted_probs, offsets)
     return RouteLayout(*sort_routes_reference(probs, indices, num_experts))
+
+
+# The Triton paths as torch.library ops: opaque nodes with fake (shape-only)
+# implementations for torch.compile, and autograd attached to the op.
+
+
+@torch.library.custom_op("mhmoe::route_triton", mutates_args=())
+def _route_triton_op(logits: torch.Tensor, top_k: int, score_func: str,
+                     expert_bias: torch.Tensor | None, route_norm: bool, norm_eps: float,
+                     route_scale: float, num_groups: int,
+                     topk_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from .kernels.routing import triton_route
+
+    return triton_route(logits, top_k, score_func, expert_bias, route_norm, norm_eps,
+                        route_scale, num_groups, topk_groups)
+
+
+@_route_triton_op.register_fake
+def _route_triton_fake(logits, top_k, score_func, expert_bias, route_norm, norm_eps,
+                       route_scale, num_groups, topk_groups):
+    H, S, _ = logits.shape
+    return (logits.new_empty((H, S, top_k), dtype=torch.float32),
+            logits.new_empty((H, S, top_k), dtype=torch.int64))
+
+
+def _route_setup_context(ctx, inputs, output):
+    logits, _, score_func, _, route_norm, norm_eps, route_scale, _, _ = inputs
+    ctx.save_for_backward(logits, output[1])
+    ctx.options = (score_func, route_norm, norm_eps, route_scale)
+
+
+def _route_backward(ctx, grad_probs, grad_indices):
+    logits, indices = ctx.saved_tensors
+    grad_logits = route_probs_backward(logits.float(), indices, grad_probs, *ctx.options)
+    return grad_logits.to(logits.dtype), None, None, None, None, None, None, None, None
+
+
+_route_triton_op.register_autograd(_route_backward, setup_context=_route_setup_context)
+
+
+@torch.library.custom_op("mhmoe::sort_routes_triton", mutates_args=())
+def _sort_routes_triton_op(
+    probs: torch.Tensor, indices: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sorted_probs, gather_ids, offsets, positions): the float output first, as
+    torch.library's op checks expect."""
+    from .kernels.routing import triton_sort_routes
+
+    gather_ids, sorted_probs, offsets, positions = triton_sort_routes(
+        probs, indices, num_experts, return_positions=True)
+    return sorted_probs, gather_ids, offsets, positions
+
+
+@_sort_routes_triton_op.register_fake
+def _sort_routes_triton_fake(probs, indices, num_experts):
+    H, S, K = indices.shape
+    R = H * S * K
+    return (probs.new_empty(R, dtype=torch.float32), indices.new_empty(R, dtype=torch.int32),
+            indices.new_empty(H * num_experts + 1, dtype=torch.int64),
+            indices.new_empty(R, dtype=torch.int32))
+
+
+def _sort_routes_setup_context(ctx, inputs, output):
+    probs = inputs[0]
+    ctx.save_for_backward(output[3])
+    ctx.probs_meta = (probs.shape, probs.dtype)
+
+
+def _sort_routes_backward(ctx, grad_sorted, grad_gather, grad_offsets, grad_positions):
+    (positions,) = ctx.saved_tensors
+    shape, dtype = ctx.probs_meta
+    if grad_sorted is None:
+        return None, None, None
+    # sorted_probs[positions] == probs.flatten(): the backward is that gather.
+    grad_probs = grad_sorted[positions.to(torch.int64)].view(shape).to(dtype)
+    return grad_probs, None, None
+
+
+_sort_routes_triton_op.register_autograd(_sort_routes_backward,
+                                         setup_context=_sort_routes_setup_context)
