@@ -89,8 +89,8 @@ def main() -> int:
     device = torch.device("cuda")
     cfg = mhmoe.MAGI2_PREVIEW
     layer = mhmoe.MultiHeadMoE(cfg, device=device)
+    layer.reset_parameters(generator=torch.Generator(device=device).manual_seed(0))
     gen = torch.Generator().manual_seed(0)
-    layer.reset_parameters(generator=gen)
     with torch.no_grad():
         layer.router.expert_bias_ema.copy_(torch.randn(cfg.num_flat_experts, generator=gen)
                                            .mul_(0.01))

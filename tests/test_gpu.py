@@ -20,7 +20,7 @@ MAGI2 = mhmoe.MAGI2_PREVIEW
 
 
 def make_layer(config, seed=0, deterministic=False):
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
     layer = mhmoe.MultiHeadMoE(config.replace(deterministic=deterministic), device="cuda")
     layer.reset_parameters(generator=gen)
     with torch.no_grad():

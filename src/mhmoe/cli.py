@@ -38,9 +38,11 @@ def _demo_config(args, device: torch.device) -> MultiHeadMoEConfig:
 def _seeded_layer(config: MultiHeadMoEConfig, device: torch.device, seed: int, backend: str):
     from .layer import MultiHeadMoE
 
-    gen = torch.Generator().manual_seed(seed)
+    # The weights come from a generator on the layer's device (fast for 6 GB on a GPU);
+    # the same seed gives the same weights on the same kind of device.
     layer = MultiHeadMoE(config, device=device, backend=backend)
-    layer.reset_parameters(generator=gen)
+    layer.reset_parameters(generator=torch.Generator(device=device).manual_seed(seed))
+    gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():  # small biases, different for the two sources, like a trained router
         layer.router.expert_bias.copy_(torch.randn(layer.router.expert_bias.shape,
                                                    generator=gen) * 0.01)

@@ -158,7 +158,8 @@ class MultiHeadMoE(nn.Module):
             for param, fan_in in ((self.gate, D), (self.W_gate, D), (self.W_up, D),
                                   (self.W_down, I)):
                 values = torch.randn(param.shape, generator=generator, dtype=torch.float32,
-                                     device="cpu" if generator is not None else param.device)
+                                     device=generator.device if generator is not None
+                                     else param.device)
                 values[real_rows:] = 0
                 param.copy_(values.mul_(fan_in ** -0.5))
             self.router.expert_bias.zero_()
