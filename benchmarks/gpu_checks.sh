@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU-side check and benchmark of the library in one device call.
 # Usage on the GPU machine, from the repository root: benchmarks/gpu_checks.sh OUT_DIR
+# (set MHMOE_COMMIT=<hash> where the tree was copied without .git: results record it)
 # Writes OUT_DIR/{gpu_tests.log,layer.json,demo.log,bench.json,bench.png}.
 set -uo pipefail
 out=${1:?usage: benchmarks/gpu_checks.sh OUT_DIR}

@@ -126,24 +126,6 @@ def test_torch_compile_fullgraph_cuda():
     assert rel_err(out, eager) < 1e-3
 
 
-def test_backward_on_gpu_against_float64():
-    # The expert backward runs the PyTorch formulas on CUDA until the fused
-    # backward lands (issue 5); the check is of the whole layer's gradients.
-    cfg = MAGI2.replace(num_experts=4, top_k=2, expert_intermediate_size=256,
-                        params_dtype=torch.float32)
-    layer = make_layer(cfg, seed=3)
-    x = torch.randn(64, cfg.hidden_size, device="cuda", requires_grad=True)
-    y = layer(x)
-    (y.square().sum()).backward()
-    ref = mhmoe.MultiHeadMoE(cfg.replace(params_dtype=torch.float64), device="cpu")
-    ref.load_state_dict({k: v.double().cpu() for k, v in layer.state_dict().items()})
-    x64 = x.detach().double().cpu().requires_grad_()
-    ref(x64).square().sum().backward()
-    assert rel_err(x.grad, x64.grad) < 1e-4
-    for name in ("gate", "W_gate", "W_up", "W_down"):
-        assert rel_err(getattr(layer, name).grad, getattr(ref, name).grad) < 1e-4, name
-
-
 def test_packed_batch_past_int32_addresses():
     # 700k tokens x 3072 features: x's element offsets pass 2^31.
     S = 700_000
@@ -159,3 +141,23 @@ def test_packed_batch_past_int32_addresses():
     assert torch.isfinite(y[-64:]).all()
     assert rel_err(y[-64:], y_tail) < 1e-2
     assert slice_error(layer, tail, y[-64:], 64) <= 4e-3
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-4)])
+def test_backward_on_gpu_against_float64(dtype, tol):
+    # The whole layer's gradients through the fused backward and the Triton routing.
+    # (The float32 case ran past 170 s on the H200 on 2026-12-02, unexplained: see
+    # benchmarks/NOTES.md. It runs last.)
+    cfg = MAGI2.replace(num_experts=4, top_k=2, expert_intermediate_size=256,
+                        params_dtype=dtype)
+    layer = make_layer(cfg, seed=3)
+    x = torch.randn(64, cfg.hidden_size, device="cuda").to(dtype).requires_grad_()
+    y = layer(x)
+    (y.float().square().sum()).backward()
+    ref = mhmoe.MultiHeadMoE(cfg.replace(params_dtype=torch.float64), device="cpu")
+    ref.load_state_dict({k: v.double().cpu() for k, v in layer.state_dict().items()})
+    x64 = x.detach().double().cpu().requires_grad_()
+    ref(x64).square().sum().backward()
+    assert rel_err(x.grad, x64.grad) < tol
+    for name in ("gate", "W_gate", "W_up", "W_down"):
+        assert rel_err(getattr(layer, name).grad, getattr(ref, name).grad) < tol, name

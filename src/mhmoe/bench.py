@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -87,6 +88,9 @@ def device_name(device: torch.device | str) -> str:
 
 
 def git_commit() -> str:
+    """The checkout's commit; MHMOE_COMMIT where the tree travels without .git (GPU runs)."""
+    if os.environ.get("MHMOE_COMMIT"):
+        return os.environ["MHMOE_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                              text=True, cwd=Path(__file__).resolve().parent, timeout=5)
