@@ -29,22 +29,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from mhmoe import MAGI2_PREVIEW
 from mhmoe.bench import environment
-from mhmoe.launch import measure_rank
+from mhmoe.launch import measure_rank, split_tokens
+from mhmoe.parallel import HeadPartition
 
 
-def plain_alltoall_ms(nbytes: int, device: torch.device, runs: int) -> float:
-    """Median time of an NCCL all_to_all_single moving `nbytes` from this rank, even splits."""
-    world = dist.get_world_size()
-    per_peer = max(1, nbytes // 2 // world)  # bf16 elements per peer
-    send = torch.randn(per_peer * world, device=device).to(torch.bfloat16)
-    recv = torch.empty_like(send)
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def plain_alltoall_ms(counts: list[int], width: int, device: torch.device, runs: int) -> float:
+    """Median time of a bare all_to_all_single with the splits of one dispatch.
+
+    Rank r sends counts[r] rows of `width` bf16 values to every rank and gets
+    counts[j] rows from rank j: the bytes of our dispatch, without its reshapes.
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    send = torch.randn(world * counts[rank], width, device=device).to(torch.bfloat16)
+    recv = torch.empty(sum(counts), width, device=device, dtype=torch.bfloat16)
     times = []
     for _ in range(runs + 2):
-        torch.cuda.synchronize(device)
+        _sync(device)
         dist.barrier()
         t0 = time.perf_counter()
-        dist.all_to_all_single(recv, send)
-        torch.cuda.synchronize(device)
+        dist.all_to_all_single(recv, send, counts, [counts[rank]] * world)
+        _sync(device)
         times.append((time.perf_counter() - t0) * 1e3)
     times = sorted(times[2:])
     return times[len(times) // 2]
@@ -56,25 +65,35 @@ def main() -> int:
     parser.add_argument("--experts", type=int, default=256, help="experts per head")
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--out", default=None, help="JSON path (written by rank 0)")
+    parser.add_argument("--cpu", action="store_true",
+                        help="gloo on CPU processes (a dry run of this script without GPUs)")
     args = parser.parse_args()
 
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast (shared hosts)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    torch.cuda.set_device(local_rank)
-    device = torch.device("cuda", local_rank)
-    dist.init_process_group("nccl", device_id=device)
+    if args.cpu:
+        device = torch.device("cpu")
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo")
+    else:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        dist.init_process_group("nccl", device_id=device)
     config = MAGI2_PREVIEW.replace(num_experts=args.experts,
                                    top_k=min(MAGI2_PREVIEW.top_k, args.experts))
     point = measure_rank(config, args.tokens, seed=0, runs=args.runs, device=device)
-    plain = plain_alltoall_ms(point.alltoall_bytes, device, args.runs)
+    partition = HeadPartition(config.num_heads, dist.get_world_size(), dist.get_rank())
+    plain = plain_alltoall_ms(split_tokens(args.tokens, dist.get_world_size()),
+                              partition.local_heads * config.head_dim, device, args.runs)
     row = asdict(point) | {"plain_alltoall_ms": plain,
                            "dispatch_GBps": point.alltoall_bytes / point.dispatch_ms / 1e6,
                            "plain_GBps": point.alltoall_bytes / plain / 1e6}
+    # (bytes this rank sends: its tokens x all padded heads; GB/s per rank, send side)
     rows = [None] * dist.get_world_size()
     dist.all_gather_object(rows, row)
     if dist.get_rank() == 0:
         print(f"{'rank':>4} {'tokens':>7} {'disp ms':>8} {'exp ms':>8} {'undisp ms':>9} "
-              f"{'layer ms':>9} {'a2a MB':>8} {'GB/s':>7} {'NCCL GB/s':>9} {'max diff':>9}")
+              f"{'layer ms':>9} {'a2a MB':>8} {'GB/s':>7} {'bare GB/s':>9} {'max diff':>9}")
         for r in rows:
             print(f"{r['rank']:>4} {r['tokens']:>7} {r['dispatch_ms']:>8.3f} "
                   f"{r['experts_ms']:>8.3f} {r['undispatch_ms']:>9.3f} {r['layer_ms']:>9.3f} "
