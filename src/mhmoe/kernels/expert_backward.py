@@ -46,11 +46,13 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from .backward_configs import ExpertBackwardConfig, expert_backward_config
 from .configs import DEFAULT_WORKSPACE_BYTES, DETERMINISTIC_WORKSPACE_BYTES, step_down
 from .expert_forward import (
+    _combine_rows,
     _interpreting,
     _round_fp32,
     _route_slots,
     _sum_slots_kernel,
     _tile_map,
+    _tile_rows,
 )
 
 __all__ = ["triton_expert_backward"]
@@ -119,14 +121,8 @@ def _expert_dx_kernel(
     e = tl.load(tile_expert_ptr + pid)
     if e >= num_experts:
         return
-    block = pid - tl.load(tile_first_ptr + e)
-    f = (first_expert + e).to(tl.int64)  # int64: f * D * I exceeds 2^31 for large banks
-    head = f // E
-    start = tl.load(offsets_ptr + f)
-    end = tl.load(offsets_ptr + f + 1)
-    rows = start + block * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < end
-    tokens = tl.load(gather_ids_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+    f, head, rows, row_ok, tokens = _tile_rows(pid, e, tile_first_ptr, offsets_ptr,
+                                               gather_ids_ptr, first_expert, E, BLOCK_M)
 
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
@@ -190,13 +186,8 @@ def _expert_dx_kernel(
             wd_ptrs += BLOCK_I * D
 
     tl.store(dprobs_ptr + rows, dprob, mask=row_ok)
-    if DETERMINISTIC:
-        slots = tl.load(slot_ptr + rows, mask=row_ok, other=0) - slot_base
-        tl.store(dx_ptr + slots[:, None] * D + d[None, :], acc, mask=xy_ok)
-    else:
-        out_rows = tokens * group_heads + (head - first_head)
-        tl.atomic_add(dx_ptr + out_rows[:, None] * D + d[None, :], acc, mask=xy_ok,
-                      sem="relaxed")
+    _combine_rows(dx_ptr, slot_ptr, acc, xy_ok, rows, row_ok, tokens, head, d, slot_base,
+                  group_heads, first_head, D, DETERMINISTIC)
 
 
 @triton.jit

@@ -61,6 +61,43 @@ def _round_fp32(v, dtype: tl.constexpr):
 
 
 @triton.jit
+def _tile_rows(pid, e, tile_first_ptr, offsets_ptr, gather_ids_ptr, first_expert, E,
+               BLOCK_M: tl.constexpr):
+    """The routes of tile `pid` (of local expert `e`): (f, head, rows, row_ok, tokens).
+
+    rows: [BLOCK_M] positions in the layout, row_ok masks those past the
+    expert's end, tokens: int64 token of each row. Shared by the forward and
+    backward kernels, which walk the same tile map.
+    """
+    block = pid - tl.load(tile_first_ptr + e)
+    f = (first_expert + e).to(tl.int64)  # int64: f * D * I exceeds 2^31 for large banks
+    head = f // E
+    start = tl.load(offsets_ptr + f)
+    end = tl.load(offsets_ptr + f + 1)
+    rows = start + block * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < end
+    tokens = tl.load(gather_ids_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+    return f, head, rows, row_ok, tokens
+
+
+@triton.jit
+def _combine_rows(out_ptr, slot_ptr, acc, ok, rows, row_ok, tokens, head, d, slot_base,
+                  group_heads, first_head, D: tl.constexpr, DETERMINISTIC: tl.constexpr):
+    """Add a tile's fp32 [BLOCK_M, BLOCK_D] rows to their (token, head).
+
+    Default: fp32 atomics into the [S, G, D] buffer (order of the K adds varies).
+    Deterministic: a plain store to each route's own slot; `_sum_slots_kernel`
+    adds the K slots of a (token, head) in a fixed order afterwards.
+    """
+    if DETERMINISTIC:
+        slots = tl.load(slot_ptr + rows, mask=row_ok, other=0) - slot_base
+        tl.store(out_ptr + slots[:, None] * D + d[None, :], acc, mask=ok)
+    else:
+        out_rows = tokens * group_heads + (head - first_head)
+        tl.atomic_add(out_ptr + out_rows[:, None] * D + d[None, :], acc, mask=ok, sem="relaxed")
+
+
+@triton.jit
 def _expert_forward_kernel(
     x_ptr, stride_xs, stride_xh,  # x_heads [S, H, D]; unit stride along D
     gather_ids_ptr, probs_ptr, offsets_ptr,  # the RouteLayout: [R], [R], [H*E + 1]
@@ -102,14 +139,8 @@ def _expert_forward_kernel(
     e = tl.load(tile_expert_ptr + pid)
     if e >= num_experts:
         return
-    block = pid - tl.load(tile_first_ptr + e)
-    f = (first_expert + e).to(tl.int64)  # int64: f * D * I exceeds 2^31 for large banks
-    head = f // E
-    start = tl.load(offsets_ptr + f)
-    end = tl.load(offsets_ptr + f + 1)
-    rows = start + block * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < end
-    tokens = tl.load(gather_ids_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+    f, head, rows, row_ok, tokens = _tile_rows(pid, e, tile_first_ptr, offsets_ptr,
+                                               gather_ids_ptr, first_expert, E, BLOCK_M)
 
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
@@ -195,12 +226,8 @@ def _expert_forward_kernel(
     prob = tl.load(probs_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     acc = acc * prob[:, None]
     ok = row_ok[:, None] & d_ok[None, :]
-    if DETERMINISTIC:
-        slots = tl.load(slot_ptr + rows, mask=row_ok, other=0) - slot_base
-        tl.store(out_ptr + slots[:, None] * D + d[None, :], acc, mask=ok)
-    else:
-        out_rows = tokens * group_heads + (head - first_head)
-        tl.atomic_add(out_ptr + out_rows[:, None] * D + d[None, :], acc, mask=ok, sem="relaxed")
+    _combine_rows(out_ptr, slot_ptr, acc, ok, rows, row_ok, tokens, head, d, slot_base,
+                  group_heads, first_head, D, DETERMINISTIC)
 
 
 @triton.jit
