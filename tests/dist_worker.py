@@ -93,3 +93,23 @@ def check_rank(rank: int, world: int, counts: list[int], seed: int) -> dict:
     except ValueError as err:
         report["width_error"] = str(err)
     return report
+
+
+def load_rank(rank: int, world: int, init_file: str, ckpt: str, out_dir: str) -> None:
+    """Each rank loads every MoE layer of a checkpoint for its own heads (load_layers with
+    the process group), and reports the bytes it read and its tensors."""
+    from mhmoe.checkpoint import load_layers
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    try:
+        modules, nbytes = load_layers(ckpt, group=dist.group.WORLD)
+        state = {f"{index}.{name}": t for index, m in modules.items()
+                 for name, t in m.state_dict().items()}
+        partition = modules[min(modules)].partition
+    finally:
+        dist.destroy_process_group()
+    torch.save({"state": state, "bytes": nbytes, "start": partition.start,
+                "local_heads": partition.local_heads},
+               os.path.join(out_dir, f"load{rank}.pt"))

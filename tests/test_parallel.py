@@ -85,3 +85,33 @@ def test_multi_gpu_benchmark_script_dry_run_on_cpu(tmp_path):
     for row in data["rows"]:
         assert row["max_abs_diff"] <= 1e-2 * max(row["max_abs_ref"], 1e-6)
         assert row["plain_alltoall_ms"] > 0 and row["dispatch_ms"] > 0
+
+
+@pytest.mark.parametrize("world", [3, 8])
+def test_ranks_load_only_their_share_of_a_checkpoint(tmp_path, world):
+    from dist_worker import load_rank
+    from mhmoe.checkpoint import save_checkpoint
+
+    cfg = mhmoe.MultiHeadMoEConfig(96, 12, 4, 2, 16, params_dtype=torch.float32)
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    layers = {}
+    for index in (2, 3):
+        layer = mhmoe.MultiHeadMoE(cfg)
+        layer.reset_parameters(generator=gen)
+        layers[index] = layer
+    save_checkpoint(tmp_path / "ckpt", layers, max_shard_bytes=200_000)
+    mp.spawn(load_rank, args=(world, str(tmp_path / "init"), str(tmp_path / "ckpt"),
+                              str(tmp_path)), nprocs=world, join=True)
+    row_bytes = {name: t[0].numel() * t.element_size()
+                 for name, t in layers[2].state_dict().items()}
+    for rank in range(world):
+        got = torch.load(tmp_path / f"load{rank}.pt")
+        part = HeadPartition(12, world, rank)
+        assert (got["start"], got["local_heads"]) == (part.start, part.local_heads)
+        share = 0
+        for index, layer in layers.items():
+            expected = shard_state_dict(layer.state_dict(), part, 4)
+            for name, tensor in expected.items():
+                assert torch.equal(got["state"][f"{index}.{name}"], tensor), (rank, index, name)
+                share += part.real_heads * 4 * row_bytes[name]
+        assert got["bytes"] == share, (world, rank)  # its own rows of both layers, no more
