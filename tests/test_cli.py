@@ -117,3 +117,15 @@ def test_demo_train_loss_falls():
     out = mhmoe("demo", "--train", "--steps", "12").stdout
     first, last = map(float, re.search(r"loss ([0-9.]+) -> ([0-9.]+)", out).groups())
     assert last < 0.8 * first and "ok" in out, out
+
+
+def test_bench_without_matplotlib_still_writes_json(tmp_path):
+    out_json = tmp_path / "b.json"
+    code = ("import sys; sys.modules['matplotlib'] = None; from mhmoe.cli import main; "
+            f"raise SystemExit(main(['bench', '--tokens', '4', '--experts', '2', '--runs', '1', "
+            f"'--out', {str(out_json)!r}]))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "matplotlib is not installed" in proc.stdout and "Traceback" not in proc.stderr
+    assert json.loads(out_json.read_text())["rows"]

@@ -189,3 +189,42 @@ def test_triton_backend_layer_matches_torch_backend(rng):
         grads[name] = (y.detach(), xx.grad, layer.gate.grad, layer.W_gate.grad, layer.W_down.grad)
     for a, b in zip(grads["triton"], grads["torch"], strict=True):
         assert rel_err(a, b) < 1e-5
+
+
+def test_autocast_does_not_change_the_numerics(rng):
+    # SPEC: router logits in fp32, expert accumulators in fp32. An autocast region
+    # around the call (common in diffusion inference) must not turn them into bf16.
+    cfg = SMALL.replace(params_dtype=torch.bfloat16)
+    layer = MultiHeadMoE(cfg)
+    layer.reset_parameters(generator=rng)
+    x = torch.randn(12, 48, generator=rng).bfloat16()
+    plain = layer(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        auto = layer(x)
+        probs, _ = layer.route_heads(x.view(12, 3, 16))
+    assert torch.equal(auto, plain)
+    assert probs.dtype == torch.float32
+
+
+def test_deterministic_env_reaches_the_kernel(rng, monkeypatch):
+    # On the CPU the PyTorch path is deterministic whatever the flag, so check that
+    # MAGI2_DETERMINISTIC=1 arrives at the fused kernel (interpreter) as deterministic=True.
+    import mhmoe.kernels.expert_forward as ef
+
+    seen = []
+    real = ef.triton_expert_forward
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("deterministic"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ef, "triton_expert_forward", spy)
+    cfg = mhmoe.MultiHeadMoEConfig(32, 2, 4, 2, 32, params_dtype=torch.float32)
+    layer = MultiHeadMoE(cfg, backend="triton")
+    x = torch.randn(3, 32, generator=rng)
+    layer(x)
+    monkeypatch.setenv("MAGI2_DETERMINISTIC", "1")
+    layer(x)
+    monkeypatch.setenv("MAGI2_DETERMINISTIC", "0")
+    MultiHeadMoE(cfg.replace(deterministic=True), backend="triton")(x)
+    assert seen == [False, True, False]

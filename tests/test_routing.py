@@ -8,8 +8,10 @@ from oracle import route_row
 
 
 def _check_route(logits, top_k, bias=None, **kw):
-    """Compare route() with the oracle on every row; rows with near-ties in the
-    selection (gap < 1e-6 at the k-th place) are compared on probs only."""
+    """Compare route() with the oracle on every row, indices and probabilities.
+
+    Random normal logits make a selection gap below fp32 rounding very unlikely
+    at these sizes; a failure here on a near-tie would show as an index swap."""
     H, S, E = logits.shape
     probs, indices = mhmoe.route(logits, top_k, expert_bias=bias, **kw)
     assert probs.shape == indices.shape == (H, S, top_k)

@@ -18,8 +18,10 @@ BACKENDS = ("auto", "torch", "triton")
 
 @functools.cache
 def triton_importable() -> bool:
+    """Triton with the host TensorDescriptor API the kernels use (Triton 3.4 and later)."""
     try:
         import triton  # noqa: F401
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
     except ImportError:
         return False
     return True

@@ -27,11 +27,28 @@ def _device(name: str | None) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1, with a message naming the value."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def positive_int_list(text: str) -> list[int]:
+    """argparse type: a comma list of ints >= 1, e.g. "1024,4096"."""
+    return [positive_int(part) for part in text.split(",") if part.strip()] or \
+        [positive_int(text)]
+
+
 def _demo_config(args, device: torch.device) -> MultiHeadMoEConfig:
     if args.full or (args.experts is None and device.type == "cuda"):
         experts = MAGI2_PREVIEW.num_experts
     else:
-        experts = args.experts or CPU_EXPERTS
+        experts = CPU_EXPERTS if args.experts is None else args.experts
     return MAGI2_PREVIEW.replace(num_experts=experts, top_k=min(MAGI2_PREVIEW.top_k, experts))
 
 
@@ -84,7 +101,8 @@ def cmd_demo_parallel(args) -> int:
         raise ValueError("--nproc runs seeded random weights; --checkpoint is not supported "
                          "with it")
     config = _demo_config(args, device)
-    tokens = args.tokens or (8192 if device.type == "cuda" else 128)
+    tokens = args.tokens if args.tokens is not None else (8192 if device.type == "cuda"
+                                                          else 128)
     backend = "NCCL" if device.type == "cuda" else "gloo"
     with console.status(f"{args.nproc} {backend} processes, {tokens} tokens"):
         points = spawn_parallel(config, args.nproc, tokens, seed=args.seed, runs=args.runs,
@@ -116,7 +134,7 @@ def cmd_demo_train(args) -> int:
     from .bench import device_name
 
     device = _device(args.device)
-    experts = args.experts or 4
+    experts = 4 if args.experts is None else args.experts
     # float32 parameters: Adam on bf16 weights drops small updates, which hides
     # whether the gradients are right.
     config = MAGI2_PREVIEW.replace(num_experts=experts, top_k=min(2, experts),
@@ -126,7 +144,7 @@ def cmd_demo_train(args) -> int:
     trainable = [p for p in student.parameters() if p.requires_grad]
     opt = torch.optim.Adam(trainable, lr=args.lr)
     gen = torch.Generator().manual_seed(args.seed + 1)
-    tokens = args.tokens or 64
+    tokens = 64 if args.tokens is None else args.tokens
     losses = []
     from rich.progress import Progress
 
@@ -185,7 +203,8 @@ def cmd_demo(args) -> int:
     if args.deterministic:
         layer.config = layer.config.replace(deterministic=True)
     config = layer.config
-    tokens = args.tokens or (8192 if device.type == "cuda" else 256)
+    tokens = args.tokens if args.tokens is not None else (8192 if device.type == "cuda"
+                                                          else 256)
     gen = torch.Generator().manual_seed(args.seed + 1)
     x = torch.randn(tokens, config.hidden_size, generator=gen).to(device, DTYPES[args.dtype])
 
@@ -258,7 +277,7 @@ def cmd_bench(args) -> int:
     device = _device(args.device)
     config = _demo_config(args, device)
     if args.tokens:
-        sweep = [int(t) for t in args.tokens.split(",")]
+        sweep = args.tokens
     elif device.type == "cuda":
         sweep = [1024, 4096, 16384, 32768]
     else:
@@ -304,10 +323,15 @@ def cmd_bench(args) -> int:
     out = Path(args.out)
     write_results(out, config=config, env=env, rows=rows, peaks=peaks)
     plot = out.with_suffix(".png")
-    plot_results(plot, rows=rows, peaks=peaks,
-                 title=f"{env['device']}: H={config.num_heads}, E={config.num_experts}, "
-                 f"K={config.top_k}, D={config.head_dim}, I={config.expert_intermediate_size}")
-    console.print(f"wrote {out} and {plot}")
+    try:
+        plot_results(plot, rows=rows, peaks=peaks,
+                     title=f"{env['device']}: H={config.num_heads}, E={config.num_experts}, "
+                     f"K={config.top_k}, D={config.head_dim}, "
+                     f"I={config.expert_intermediate_size}")
+        console.print(f"wrote {out} and {plot}")
+    except ImportError:
+        console.print(f"wrote {out}; no plot: matplotlib is not installed "
+                      f"(pip install 'mhmoe[plot]')")
     bad = [r for r in rows if not r.rel_err < REL_ERR_OK]
     return 1 if bad else 0
 
@@ -363,17 +387,18 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     def add_layer_options(p):
-        p.add_argument("--experts", type=int, default=None,
+        p.add_argument("--experts", type=positive_int, default=None,
                        help=f"experts per head (default: 256 on a GPU, {CPU_EXPERTS} on the CPU)")
         p.add_argument("--full", action="store_true",
                        help="the full MAGI-2 layer (256 experts per head, 6 GB) even on the CPU")
         p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
         p.add_argument("--seed", type=int, default=0)
-        p.add_argument("--runs", type=int, default=3, help="timed runs (median reported)")
+        p.add_argument("--runs", type=positive_int, default=3,
+                       help="timed runs (median reported)")
 
     demo = sub.add_parser("demo", help="run one layer forward, time it, check it against float64")
     add_layer_options(demo)
-    demo.add_argument("--tokens", type=int, default=None,
+    demo.add_argument("--tokens", type=positive_int, default=None,
                       help="tokens (default 256 on the CPU, 8192 on a GPU)")
     demo.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="input dtype")
     demo.add_argument("--checkpoint", default=None, help="a MAGI-2 format checkpoint")
@@ -383,18 +408,20 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--train", action="store_true",
                       help="a few optimizer steps on a toy regression (student imitates a "
                       "teacher layer); the loss must fall")
-    demo.add_argument("--steps", type=int, default=20, help="optimizer steps of --train")
+    demo.add_argument("--steps", type=positive_int, default=20,
+                      help="optimizer steps of --train")
     demo.add_argument("--lr", type=float, default=5e-3, help="Adam learning rate of --train")
-    demo.add_argument("--nproc", type=int, default=None,
+    demo.add_argument("--nproc", type=positive_int, default=None,
                       help="run head-parallel on N processes (gloo on the CPU, NCCL on N GPUs) "
                       "and check against one process")
-    demo.add_argument("--check-tokens", type=int, default=16,
+    demo.add_argument("--check-tokens", type=positive_int, default=16,
                       help="tokens checked against the float64 reference")
     demo.set_defaults(func=cmd_demo)
 
     bench = sub.add_parser("bench", help="sweep token counts; write JSON and a PNG plot")
     add_layer_options(bench)
-    bench.add_argument("--tokens", default=None, help="comma list of token counts")
+    bench.add_argument("--tokens", type=positive_int_list, default=None,
+                       help="comma list of token counts")
     bench.add_argument("--out", default="mhmoe-bench.json", help="JSON path (PNG beside it)")
     bench.add_argument("--paths", default=None,
                        help="comma list of expert paths (torch, triton); default: both on a "
@@ -409,7 +436,8 @@ def build_parser() -> argparse.ArgumentParser:
                           help="write a synthetic checkpoint in the MAGI-2 format")
     make.add_argument("path", help="output directory")
     make.add_argument("--layers", default="2", help="comma list of MoE layer indices")
-    make.add_argument("--experts", type=int, default=CPU_EXPERTS, help="experts per head "
+    make.add_argument("--experts", type=positive_int, default=CPU_EXPERTS,
+                      help="experts per head "
                       f"(default {CPU_EXPERTS}; 256 is the real size, 6 GB per layer)")
     make.add_argument("--shard-mb", type=float, default=None,
                       help="shard into files of at most this many MB (with an index json)")

@@ -12,6 +12,7 @@ from .backends import BACKENDS
 from .config import BIAS_SOURCES, MultiHeadMoEConfig
 from .experts import expert_forward
 from .parallel import HeadPartition, dispatch, gather_token_counts, undispatch
+from .reference import exact_precision
 from .routing import route, sort_routes
 
 BIAS_SOURCE_ENV = "MAGI2_ROUTER_BIAS_SOURCE"
@@ -65,11 +66,13 @@ class _RouterLogits(torch.autograd.Function):
     """
 
     @staticmethod
+    @exact_precision
     def forward(ctx, x_heads, gate):
         ctx.save_for_backward(x_heads, gate)
         return torch.bmm(x_heads.transpose(0, 1).to(gate.dtype), gate.transpose(1, 2))
 
     @staticmethod
+    @exact_precision
     def backward(ctx, grad):
         x_heads, gate = ctx.saved_tensors
         grad_x = grad_gate = None

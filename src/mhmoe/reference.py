@@ -9,7 +9,22 @@ numbers. Argument checking lives in the public wrappers (`routing.py`,
 
 from __future__ import annotations
 
+import functools
+
 import torch
+
+
+def exact_precision(fn):
+    """Run `fn` with autocast off: the spec fixes the precision of every step
+    (fp32 router logits, fp32 accumulators), and an autocast region around the
+    caller must not quietly turn those matmuls into bf16 ones."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with torch.autocast("cuda", enabled=False), torch.autocast("cpu", enabled=False):
+            return fn(*args, **kwargs)
+
+    return wrapper
 
 
 def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
@@ -17,6 +32,7 @@ def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
+@exact_precision
 def route_reference(
     logits: torch.Tensor,
     top_k: int,
@@ -143,6 +159,7 @@ def swiglu7_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return g * torch.sigmoid(1.702 * g) * (u + 1.0)
 
 
+@exact_precision
 def expert_forward_reference(
     x_heads: torch.Tensor,
     gather_ids: torch.Tensor,
@@ -188,6 +205,7 @@ def expert_forward_reference(
     return out.view(S, H, D).to(x_heads.dtype)
 
 
+@exact_precision
 def moe_reference_float64(
     x_heads: torch.Tensor,
     probs: torch.Tensor,
@@ -223,6 +241,7 @@ def moe_reference_float64(
     return out.view(S, H, D)
 
 
+@exact_precision
 def expert_backward_reference(
     grad_y: torch.Tensor,
     x_heads: torch.Tensor,
@@ -283,6 +302,7 @@ def expert_backward_reference(
             d_gate.to(w_gate.dtype), d_up.to(w_up.dtype), d_down.to(w_down.dtype))
 
 
+@exact_precision
 def route_probs_backward(
     logits: torch.Tensor,
     indices: torch.Tensor,
