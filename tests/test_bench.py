@@ -1,0 +1,34 @@
+"""The timing harness: medians, FLOP counts, result files and plots."""
+
+import json
+
+import pytest
+
+import mhmoe
+from mhmoe.bench import BenchRow, expert_tflops, plot_results, time_fn, write_results
+
+
+def test_time_fn_median_and_repeats():
+    calls = []
+    timing = time_fn(lambda: calls.append(1), warmup=2, runs=5)
+    assert len(calls) == 7 and timing.runs == 5
+    assert 0 <= timing.min_ms <= timing.median_ms <= timing.max_ms
+
+
+def test_expert_tflops_by_hand():
+    # MAGI-2: 141,557,760 FLOP per token; 1,000 tokens in 1 ms -> 141.56 TFLOP/s
+    assert expert_tflops(mhmoe.MAGI2_PREVIEW, 1000, 1.0) == pytest.approx(141.55776)
+
+
+def test_write_results_and_plot(tmp_path):
+    rows = [BenchRow("torch", t, 0.1, 1.0 * t, 1.2 * t, 0.5, 1e-3) for t in (8, 16)]
+    out = tmp_path / "r" / "bench.json"
+    env = {"device": "test"}
+    write_results(out, config=mhmoe.MAGI2_PREVIEW, env=env, rows=rows, peaks={})
+    data = json.loads(out.read_text())
+    assert data["environment"] == env and [r["tokens"] for r in data["rows"]] == [8, 16]
+    assert data["config"]["route_scale"] == 4.9
+    assert not list(out.parent.glob("*.tmp"))  # written atomically
+    png = tmp_path / "r" / "bench.png"
+    plot_results(png, rows=rows, peaks={"matmul_tflops": 700.0}, title="test")
+    assert png.read_bytes()[:4] == b"\x89PNG"
