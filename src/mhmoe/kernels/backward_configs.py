@@ -49,6 +49,16 @@ _HOPPER = (
     (float("inf"), ExpertBackwardConfig(dx=ExpertForwardConfig(128, 32, 8, 2),
                                         dw=ExpertForwardConfig(128, 32, 8, 1))),
 )
+# float32 operands (fp32 weights, or mixed dtypes): twice the shared memory per
+# tile, and the "ieee" dots are pipelined differently. Sizes from sm_90
+# compile-only checks (triton.compile + ptxas, D = 256): dx 64/32/4/1 224 KB,
+# dw 32/32/8/1 172 KB (limit 227 KB), where the bf16 rows above would need
+# 336 KB and 248 KB; starting there saves the launch-time step-downs, each of
+# which recompiles (10-25 s per fp32 kernel).
+_HOPPER_FP32 = (
+    (float("inf"), ExpertBackwardConfig(dx=ExpertForwardConfig(64, 32, 4, 1),
+                                        dw=ExpertForwardConfig(32, 32, 8, 1))),
+)
 # Ampere/Ada and unknown CUDA GPUs: less shared memory, no wgmma.
 _GENERIC_CUDA = (
     (float("inf"), ExpertBackwardConfig(dx=ExpertForwardConfig(64, 32, 4, 2),
@@ -64,8 +74,10 @@ _TABLES = {(9, 0): _HOPPER}
 
 def expert_backward_config(
     device: torch.device, rows_per_expert: float, interpreting: bool = False,
+    fp32_operands: bool = False,
 ) -> ExpertBackwardConfig:
-    """The default tiles for a problem of `rows_per_expert` mean routes per expert.
+    """The default tiles for a problem of `rows_per_expert` mean routes per expert
+    (`fp32_operands`: the dots take float32 operands, see _HOPPER_FP32).
 
     A config that does not fit the chip is shrunk at launch time
     (`configs.step_down` on OutOfResources), kernel by kernel.
@@ -73,5 +85,8 @@ def expert_backward_config(
     if interpreting or device.type != "cuda":
         table = _INTERPRETER
     else:
-        table = _TABLES.get(torch.cuda.get_device_capability(device), _GENERIC_CUDA)
+        arch = torch.cuda.get_device_capability(device)
+        table = _TABLES.get(arch, _GENERIC_CUDA)
+        if fp32_operands and arch == (9, 0):
+            table = _HOPPER_FP32
     return next(c for bound, c in table if rows_per_expert <= bound)

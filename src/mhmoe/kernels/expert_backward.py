@@ -362,15 +362,15 @@ def triton_expert_backward(
         return (dx.zero_(), dprobs.zero_().to(sorted_probs.dtype), d_gate.zero_(), d_up.zero_(),
                 d_down.zero_())
     interpreting = _interpreting()
+    dot_fp32 = (not (x_heads.dtype == grad_y.dtype == w_down.dtype)
+                or w_down.dtype == torch.float32)
     if config is None:
-        config = expert_backward_config(device, R / F, interpreting)
+        config = expert_backward_config(device, R / F, interpreting, fp32_operands=dot_fp32)
     # One [S, H, D] layout for both: the kernels share their gather offsets.
     x_heads, grad_y = x_heads.contiguous(), grad_y.contiguous()
     w_gate, w_up, w_down = w_gate.contiguous(), w_up.contiguous(), w_down.contiguous()
     gather_ids, sorted_probs, offsets = (
         gather_ids.contiguous(), sorted_probs.contiguous(), offsets.contiguous())
-    dot_fp32 = (not (x_heads.dtype == grad_y.dtype == w_down.dtype)
-                or w_down.dtype == torch.float32)
     precision = "ieee" if dot_fp32 else "tf32"  # tf32 is ignored by 16-bit dots
     _backward_dw(grad_y, x_heads, gather_ids, sorted_probs, offsets, w_gate, w_up, w_down,
                  d_gate, d_up, d_down, config.dw, dot_fp32, precision, interpreting)
