@@ -387,8 +387,10 @@ def _backward_dw(grad_y, x_heads, gather_ids, sorted_probs, offsets, w_gate, w_u
 
     def launch(t):
         _expert_dw_kernel[(F * triton.cdiv(I, t.block_i),)](
-            x_heads, grad_y, H, gather_ids, sorted_probs, offsets, w_gate, w_up, w_down,
-            d_gate, d_up, d_down, F // H,
+            x_ptr=x_heads, dy_ptr=grad_y, H=H,
+            gather_ids_ptr=gather_ids, probs_ptr=sorted_probs, offsets_ptr=offsets,
+            wg_ptr=w_gate, wu_ptr=w_up, wd_ptr=w_down,
+            dwg_ptr=d_gate, dwu_ptr=d_up, dwd_ptr=d_down, E=F // H,
             D=D, I=I, BLOCK_M=t.block_m, BLOCK_I=t.block_i, BLOCK_D=triton.next_power_of_2(D),
             UPCAST=interpreting, DOT_FP32=dot_fp32, PRECISION=precision,
             num_warps=t.num_warps, num_stages=t.num_stages,
@@ -446,9 +448,13 @@ def _backward_dx(grad_y, x_heads, gather_ids, sorted_probs, offsets, w_gate, w_u
             max_tiles = triton.cdiv(routes, t.block_m) + g * E
             tile_expert, tile_first = _tile_map(offsets, h0 * E, g * E, t.block_m, max_tiles)
             _expert_dx_kernel[(max_tiles,)](
-                x_heads, grad_y, H, gather_ids, sorted_probs, offsets, tile_expert, tile_first,
-                *weights, out, slots, dprobs,
-                E, h0 * E, g * E, h0, g, h0 * S * K,
+                x_ptr=x_heads, dy_ptr=grad_y, H=H,
+                gather_ids_ptr=gather_ids, probs_ptr=sorted_probs, offsets_ptr=offsets,
+                tile_expert_ptr=tile_expert, tile_first_ptr=tile_first,
+                wg_ptr=weights[0], wu_ptr=weights[1], wd_ptr=weights[2],
+                dx_ptr=out, slot_ptr=slots, dprobs_ptr=dprobs,
+                E=E, first_expert=h0 * E, num_experts=g * E, first_head=h0, group_heads=g,
+                slot_base=h0 * S * K,
                 D=D, I=I, BLOCK_M=t.block_m, BLOCK_I=t.block_i, BLOCK_D=block_d,
                 EVEN_D=D == block_d, EVEN_I=I % t.block_i == 0, DETERMINISTIC=deterministic,
                 UPCAST=interpreting, DOT_FP32=dot_fp32, PRECISION=precision, USE_TMA=use_tma,

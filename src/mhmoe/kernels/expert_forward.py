@@ -417,10 +417,13 @@ def triton_expert_forward(
                                                 max_tiles)
             try:
                 _expert_forward_kernel[(max_tiles,)](
-                    x_heads, x_heads.stride(0), x_heads.stride(1),
-                    gather_ids, sorted_probs, offsets, tile_expert, tile_first,
-                    *gate_up, down, out, slots,
-                    E, h0 * E, g * E, h0, g, h0 * S * K, pair_delta or 0,
+                    x_ptr=x_heads, stride_xs=x_heads.stride(0), stride_xh=x_heads.stride(1),
+                    gather_ids_ptr=gather_ids, probs_ptr=sorted_probs, offsets_ptr=offsets,
+                    tile_expert_ptr=tile_expert, tile_first_ptr=tile_first,
+                    wg_ptr=gate_up[0], wu_ptr=gate_up[1], wd_ptr=down,
+                    out_ptr=out, slot_ptr=slots,
+                    E=E, first_expert=h0 * E, num_experts=g * E, first_head=h0,
+                    group_heads=g, slot_base=h0 * S * K, pair_delta=pair_delta or 0,
                     D=D, I=I, BLOCK_M=config.block_m, BLOCK_I=config.block_i,
                     BLOCK_D=block_d, EVEN_D=D == block_d,
                     EVEN_I=I % config.block_i == 0, DETERMINISTIC=deterministic,
