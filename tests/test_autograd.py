@@ -111,3 +111,19 @@ def test_torch_compile_fullgraph_forward_and_backward(rng, compiler):
     for a, b in zip(g_comp, g_eager, strict=False):
         # inductor fuses the fp32 router math differently: fp32 rounding, not a bug
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_torch_compile_with_the_triton_ops(rng):
+    # Every op on its Triton path (the interpreter here) inside one compiled graph:
+    # the fake implementations and the registered backwards of all three ops.
+    cfg = mhmoe.MultiHeadMoEConfig(32, 2, 4, 2, 32, params_dtype=torch.float32, route_scale=3.0)
+    layer = mhmoe.MultiHeadMoE(cfg, backend="triton")
+    layer.reset_parameters(generator=rng)
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    x = torch.randn(5, 32, generator=rng, requires_grad=True)
+    y_eager, y_comp = layer(x), compiled(x)
+    torch.testing.assert_close(y_comp, y_eager, rtol=1e-5, atol=1e-6)
+    g_eager = torch.autograd.grad(y_eager.square().sum(), [x, layer.gate, layer.W_up])
+    g_comp = torch.autograd.grad(y_comp.square().sum(), [x, layer.gate, layer.W_up])
+    for a, b in zip(g_comp, g_eager, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

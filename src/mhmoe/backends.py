@@ -8,7 +8,6 @@ never a silent fallback.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -16,8 +15,7 @@ import torch
 BACKENDS = ("auto", "torch", "triton")
 
 
-@functools.cache
-def triton_importable() -> bool:
+def _probe_triton() -> bool:
     """Triton with the host TensorDescriptor API the kernels use (Triton 3.4 and later)."""
     try:
         import triton  # noqa: F401
@@ -25,6 +23,14 @@ def triton_importable() -> bool:
     except ImportError:
         return False
     return True
+
+
+# Probed once at import: a plain constant is what torch.compile can read cheaply.
+TRITON_AVAILABLE = _probe_triton()
+
+
+def triton_importable() -> bool:
+    return TRITON_AVAILABLE
 
 
 def available_backends(device: torch.device | str) -> list[str]:
