@@ -29,6 +29,11 @@ def pytest_report_header(config):
     return f"MHMOE_TEST_SEED={BASE_SEED}"
 
 
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    # Also at the end (the header is hidden under -q): what replays a failure.
+    terminalreporter.write_line(f"random data of this run: MHMOE_TEST_SEED={BASE_SEED}")
+
+
 @pytest.fixture
 def rng(request) -> torch.Generator:
     """A generator seeded from the run's seed and the test's id (one stream per case)."""
