@@ -122,7 +122,11 @@ def test_mixed_dtypes(rng):
     x = torch.randn(x.shape, generator=rng)
     y = run(x, probs, indices, wg, wu, wd, config=BIG)
     assert y.dtype == torch.float32
-    assert rel_err(y, oracle(x, probs, indices, wg, wu, wd)) <= 1e-5
+    # fp32 all the way but for the activation, rounded to bf16 (the weight dtype):
+    # an fp32-vs-float64 difference in g or u can move that rounding by one bf16
+    # step for an element near a boundary, about 1e-4 of the output at these sizes
+    # (seen up to 7.7e-5). A bf16 x or output would show at 2e-3 and more.
+    assert rel_err(y, oracle(x, probs, indices, wg, wu, wd)) <= 5e-4
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
