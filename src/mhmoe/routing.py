@@ -87,13 +87,7 @@ def route(
     if not norm_eps > 0:
         raise ValueError(f"route: norm_eps must be > 0, got {norm_eps!r}")
     check_groups(E, num_groups, topk_groups, prefix="route: ")
-    path = resolve_backend(backend, logits.device, op="route")
-    if path == "triton" and logits.dtype == torch.float64:
-        if backend == "triton":
-            raise ValueError("route: the triton path takes float32 logits; float64 runs on "
-                             "backend='torch'")
-        path = "torch"
-    if path == "triton":
+    if _path(backend, logits, "route", "logits") == "triton":
         return _route_triton_op(logits, top_k, score_func, expert_bias, route_norm,
                                 float(norm_eps), float(route_scale), num_groups, topk_groups)
     return route_reference(logits, top_k, score_func, expert_bias, route_norm, norm_eps,
@@ -127,17 +121,23 @@ def sort_routes(probs: torch.Tensor, indices: torch.Tensor, num_experts: int, *,
         if low < 0 or high >= num_experts:
             raise ValueError(f"sort_routes: indices must lie in [0, {num_experts}), found "
                              f"values in [{low}, {high}]")
-    path = resolve_backend(backend, indices.device, op="sort_routes")
-    if path == "triton" and probs.dtype == torch.float64:
-        if backend == "triton":
-            raise ValueError("sort_routes: the triton path takes float32 probs; float64 runs "
-                             "on backend='torch'")
-        path = "torch"
-    if path == "triton":
+    if _path(backend, probs, "sort_routes", "probs") == "triton":
         sorted_probs, gather_ids, offsets, _ = _sort_routes_triton_op(probs, indices,
                                                                      num_experts)
         return RouteLayout(gather_ids, sorted_probs, offsets)
     return RouteLayout(*sort_routes_reference(probs, indices, num_experts))
+
+
+def _path(backend: str, values: torch.Tensor, op: str, name: str) -> str:
+    """resolve_backend, plus the Triton kernels' dtype rule: float64 `values` stay
+    on the PyTorch path under "auto" and are an error under "triton"."""
+    path = resolve_backend(backend, values.device, op=op)
+    if path == "triton" and values.dtype == torch.float64:
+        if backend == "triton":
+            raise ValueError(f"{op}: the triton path takes float32 {name}; float64 runs on "
+                             f"backend='torch'")
+        path = "torch"
+    return path
 
 
 # The Triton paths as torch.library ops: opaque nodes with fake (shape-only)
