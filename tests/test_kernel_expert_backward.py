@@ -16,6 +16,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 import mhmoe.kernels.expert_backward as eb  # noqa: E402
+import mhmoe.kernels.expert_forward as ef  # noqa: E402
 from mhmoe.kernels.backward_configs import ExpertBackwardConfig, expert_backward_config  # noqa: E402
 from mhmoe.kernels.configs import ExpertForwardConfig  # noqa: E402
 from mhmoe.reference import expert_backward_reference, sort_routes_reference  # noqa: E402
@@ -190,9 +191,10 @@ def test_no_tokens(deterministic):
 @pytest.mark.parametrize("D", [32, 256])  # 256: wider than one block of the slot-sum kernel
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_head_groups(rng, monkeypatch, deterministic, D):
-    # Workspace limits smaller than one head's buffer: one dx launch per head.
-    monkeypatch.setattr(eb, "DEFAULT_WORKSPACE_BYTES", 1)
-    monkeypatch.setattr(eb, "DETERMINISTIC_WORKSPACE_BYTES", 1)
+    # Workspace limits smaller than one head's buffer: one dx launch per head (the
+    # head grouping is the forward's HeadGroups, which reads its module's limits).
+    monkeypatch.setattr(ef, "DEFAULT_WORKSPACE_BYTES", 1)
+    monkeypatch.setattr(ef, "DETERMINISTIC_WORKSPACE_BYTES", 1)
     check(rng, 5, 3, 3, 2, D, 16, deterministic=deterministic)
 
 

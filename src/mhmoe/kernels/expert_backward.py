@@ -40,19 +40,18 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.errors import OutOfResources
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .backward_configs import ExpertBackwardConfig, expert_backward_config
-from .configs import DEFAULT_WORKSPACE_BYTES, DETERMINISTIC_WORKSPACE_BYTES, step_down
 from .expert_forward import (
+    HeadGroups,
     _combine_rows,
     _interpreting,
     _round_fp32,
-    _route_slots,
-    _sum_slots_kernel,
     _tile_map,
     _tile_rows,
+    launch_with_step_down,
+    tma_fits,
 )
 
 __all__ = ["triton_expert_backward"]
@@ -306,20 +305,6 @@ def _expert_dw_kernel(
     tl.store(dwd_ptr + f * I * D + i[None, :] * D + d[:, None], acc_d.to(w_dtype), mask=gu_ok)
 
 
-def _launch_with_step_down(launch, tiles):
-    """Run `launch(tiles)`, shrinking the tiles (configs.step_down) while they
-    do not fit the chip; returns the tiles that ran."""
-    while True:
-        try:
-            launch(tiles)
-            return tiles
-        except OutOfResources:
-            smaller = step_down(tiles)
-            if smaller is None:
-                raise
-            tiles = smaller
-
-
 def triton_expert_backward(
     grad_y: torch.Tensor,
     x_heads: torch.Tensor,
@@ -396,7 +381,7 @@ def _backward_dw(grad_y, x_heads, gather_ids, sorted_probs, offsets, w_gate, w_u
             num_warps=t.num_warps, num_stages=t.num_stages,
         )
 
-    _launch_with_step_down(launch, tiles)
+    launch_with_step_down(launch, tiles)
 
 
 def _backward_dx(grad_y, x_heads, gather_ids, sorted_probs, offsets, w_gate, w_up, w_down,
@@ -405,37 +390,10 @@ def _backward_dx(grad_y, x_heads, gather_ids, sorted_probs, offsets, w_gate, w_u
     S, H, D = x_heads.shape
     F, _, I = w_gate.shape
     E = F // H
-    R = gather_ids.numel()
-    uniform_k = R % (S * H) == 0
-    K = R // (S * H)
-    if deterministic:
-        if not uniform_k:
-            raise ValueError(f"expert_backward: deterministic mode needs the same number of "
-                             f"routes for every (token, head); R={R} is not a multiple of "
-                             f"S*H={S * H}")
-        slots = _route_slots(gather_ids, offsets, S, E)
-        group = max(1, min(H, DETERMINISTIC_WORKSPACE_BYTES // (S * K * D * 4)))
-        workspace = torch.empty(group * S * K * D, dtype=torch.float32, device=dx.device)
-    else:
-        slots = gather_ids  # unused by the kernel in this mode
-        group = max(1, min(H, DEFAULT_WORKSPACE_BYTES // (S * D * 4)))
-        if dx.dtype == torch.float32:
-            group = H  # accumulate straight into dx: no workspace
-        else:
-            workspace = torch.empty(S * group * D, dtype=torch.float32, device=dx.device)
+    groups = HeadGroups(dx, gather_ids, offsets, E, deterministic, "expert_backward")
     block_d = triton.next_power_of_2(D)
-    elem = w_down.element_size()
-    # Descriptors need 16-byte aligned strides and boxes of at most 256 rows.
-    tma_ok = block_d == D and D <= 256 and (D * elem) % 16 == 0 and (I * elem) % 16 == 0
-    for h0 in range(0, H, group):
-        g = min(group, H - h0)
-        routes = S * g * K if uniform_k else R
-        if deterministic:
-            out = workspace[:g * S * K * D].view(g * S * K, D)
-        elif dx.dtype == torch.float32:
-            out = dx.zero_()
-        else:
-            out = workspace[:S * g * D].view(S, g, D).zero_()
+    tma_ok = tma_fits(D, I, w_down.element_size())
+    for h0, g, routes, out in groups:
 
         def launch(t, h0=h0, g=g, routes=routes, out=out):  # bound now: runs in this pass
             use_tma = t.tma and tma_ok
@@ -452,22 +410,14 @@ def _backward_dx(grad_y, x_heads, gather_ids, sorted_probs, offsets, w_gate, w_u
                 gather_ids_ptr=gather_ids, probs_ptr=sorted_probs, offsets_ptr=offsets,
                 tile_expert_ptr=tile_expert, tile_first_ptr=tile_first,
                 wg_ptr=weights[0], wu_ptr=weights[1], wd_ptr=weights[2],
-                dx_ptr=out, slot_ptr=slots, dprobs_ptr=dprobs,
+                dx_ptr=out, slot_ptr=groups.slots, dprobs_ptr=dprobs,
                 E=E, first_expert=h0 * E, num_experts=g * E, first_head=h0, group_heads=g,
-                slot_base=h0 * S * K,
+                slot_base=h0 * S * groups.K,
                 D=D, I=I, BLOCK_M=t.block_m, BLOCK_I=t.block_i, BLOCK_D=block_d,
                 EVEN_D=D == block_d, EVEN_I=I % t.block_i == 0, DETERMINISTIC=deterministic,
                 UPCAST=interpreting, DOT_FP32=dot_fp32, PRECISION=precision, USE_TMA=use_tma,
                 num_warps=t.num_warps, num_stages=t.num_stages,
             )
 
-        tiles = _launch_with_step_down(launch, tiles)
-        if deterministic:
-            sum_p, sum_d = 32, min(128, block_d)
-            grid = (triton.cdiv(g * S, sum_p), triton.cdiv(D, sum_d))
-            _sum_slots_kernel[grid](
-                out, dx, dx.stride(0), dx.stride(1), S, h0, g * S, D=D, K=K,
-                BLOCK_P=sum_p, BLOCK_D=sum_d, UPCAST=interpreting, num_warps=4,
-            )
-        elif dx.dtype != torch.float32:
-            dx[:, h0:h0 + g].copy_(out)
+        tiles = launch_with_step_down(launch, tiles)
+        groups.finish(h0, g, out, interpreting)

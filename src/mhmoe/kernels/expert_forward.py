@@ -316,6 +316,95 @@ def _tile_map(offsets: torch.Tensor, first: int, count: int, block_m: int, max_t
     return tile_expert, tile_first
 
 
+def tma_fits(D: int, I: int, elem: int) -> bool:
+    """Whether the weight slices can go through TMA descriptors: 16-byte aligned
+    strides, and boxes of at most 256 rows with no padding of D."""
+    block_d = triton.next_power_of_2(D)
+    return block_d == D and D <= 256 and (D * elem) % 16 == 0 and (I * elem) % 16 == 0
+
+
+def launch_with_step_down(launch, config):
+    """Run `launch(config)`, shrinking the tiles (`configs.step_down`) while they do
+    not fit the chip; returns the config that ran."""
+    while True:
+        try:
+            launch(config)
+            return config
+        except OutOfResources:
+            smaller = step_down(config)
+            if smaller is None:
+                raise
+            config = smaller
+
+
+class HeadGroups:
+    """The combine of a kernel whose programs each produce fp32 [rows, D] route rows
+    of a [S, H, D] `result` (the forward's y, the backward's dx).
+
+    Iterating gives (h0, g, routes, out): heads [h0, h0 + g) are one launch, whose
+    workspace `out` stays within the limits of configs.py; `finish` then writes
+    them into `result`. Default mode: `out` is an fp32 [S, g, D] buffer for atomic
+    adds (`result` itself when it is fp32). Deterministic mode: `out` is an fp32
+    [g*S*K, D] buffer of per-route slots (`slots`), which `_sum_slots_kernel` adds
+    in a fixed order. `routes` bounds the routes of the group (for the grid).
+    """
+
+    def __init__(self, result: torch.Tensor, gather_ids: torch.Tensor, offsets: torch.Tensor,
+                 num_experts: int, deterministic: bool, op: str) -> None:
+        S, H, D = result.shape
+        R = gather_ids.numel()
+        self.result, self.deterministic = result, deterministic
+        self.uniform_k = R % (S * H) == 0
+        self.K = R // (S * H)
+        self.workspace = None
+        if deterministic:
+            if not self.uniform_k:
+                raise ValueError(f"{op}: deterministic mode needs the same number of routes "
+                                 f"for every (token, head); R={R} is not a multiple of "
+                                 f"S*H={S * H}")
+            self.slots = _route_slots(gather_ids, offsets, S, num_experts)
+            self.size = max(1, min(H, DETERMINISTIC_WORKSPACE_BYTES // (S * self.K * D * 4)))
+            # One workspace for the largest group; each group uses a prefix of it.
+            self.workspace = torch.empty(self.size * S * self.K * D, dtype=torch.float32,
+                                         device=result.device)
+        else:
+            self.slots = gather_ids  # unused by the kernels in this mode
+            if result.dtype == torch.float32:
+                self.size = H  # accumulate straight into the result: no workspace
+            else:
+                self.size = max(1, min(H, DEFAULT_WORKSPACE_BYTES // (S * D * 4)))
+                self.workspace = torch.empty(S * self.size * D, dtype=torch.float32,
+                                             device=result.device)
+
+    def __iter__(self):
+        S, H, D = self.result.shape
+        for h0 in range(0, H, self.size):
+            g = min(self.size, H - h0)
+            # Every (token, head) of a uniform layout has exactly K routes, so the
+            # group owns S*g*K of them; otherwise any of the R routes may be its.
+            routes = S * g * self.K if self.uniform_k else self.slots.numel()
+            if self.deterministic:
+                out = self.workspace[:g * S * self.K * D].view(g * S * self.K, D)
+            elif self.workspace is None:
+                out = self.result.zero_()
+            else:
+                out = self.workspace[:S * g * D].view(S, g, D).zero_()
+            yield h0, g, routes, out
+
+    def finish(self, h0: int, g: int, out: torch.Tensor, interpreting: bool) -> None:
+        S, _, D = self.result.shape
+        if self.deterministic:
+            block_d = triton.next_power_of_2(D)
+            sum_p, sum_d = 32, min(128, block_d)
+            grid = (triton.cdiv(g * S, sum_p), triton.cdiv(D, sum_d))
+            _sum_slots_kernel[grid](
+                out, self.result, self.result.stride(0), self.result.stride(1), S, h0, g * S,
+                D=D, K=self.K, BLOCK_P=sum_p, BLOCK_D=sum_d, UPCAST=interpreting, num_warps=4,
+            )
+        elif self.workspace is not None:
+            self.result[:, h0:h0 + g].copy_(out)
+
+
 def triton_expert_forward(
     x_heads: torch.Tensor,
     gather_ids: torch.Tensor,
@@ -361,90 +450,43 @@ def triton_expert_forward(
     gather_ids, sorted_probs, offsets = (
         gather_ids.contiguous(), sorted_probs.contiguous(), offsets.contiguous())
     dot_fp32 = x_heads.dtype != w_down.dtype or w_down.dtype == torch.float32
-    uniform_k = R % (S * H) == 0
-    K = R // (S * H)
-
-    if deterministic:
-        if not uniform_k:
-            raise ValueError(f"expert_forward: deterministic mode needs the same number of "
-                             f"routes for every (token, head); R={R} is not a multiple of "
-                             f"S*H={S * H}")
-        slots = _route_slots(gather_ids, offsets, S, E)
-        per_head = S * K * D * 4
-        group = max(1, min(H, DETERMINISTIC_WORKSPACE_BYTES // per_head))
-    else:
-        slots = gather_ids  # unused by the kernel in this mode
-        per_head = S * D * 4
-        group = max(1, min(H, DEFAULT_WORKSPACE_BYTES // per_head))
-        if x_heads.dtype == torch.float32:
-            group = H  # accumulate straight into y: no workspace
+    groups = HeadGroups(y, gather_ids, offsets, E, deterministic, "expert_forward")
     block_d = triton.next_power_of_2(D)
-    # Descriptors need 16-byte aligned strides (D, I multiples of 16 give that)
-    # and boxes of at most 256 rows; wider heads take the pointer path.
-    use_tma = (config.tma and block_d == D and D <= 256 and (D * w_down.element_size()) % 16 == 0
-               and (I * w_down.element_size()) % 16 == 0)
+    use_tma = config.tma and tma_fits(D, I, w_down.element_size())
     pair_delta = _pair_delta(w_gate, w_up, interpreting) if config.paired else None
-    # One workspace for the largest group; each group uses a prefix of it.
-    if deterministic:
-        workspace = torch.empty(group * S * K * D, dtype=torch.float32, device=device)
-    elif x_heads.dtype != torch.float32:
-        workspace = torch.empty(S * group * D, dtype=torch.float32, device=device)
-    for h0 in range(0, H, group):
-        g = min(group, H - h0)
-        # Every (token, head) of a uniform layout has exactly K routes, so the
-        # group owns S*g*K of them; otherwise any of the R routes may be its.
-        routes = S * g * K if uniform_k else R
-        if deterministic:
-            out = workspace[:g * S * K * D].view(g * S * K, D)
-        elif x_heads.dtype == torch.float32:
-            out = y.zero_()
-        else:
-            out = workspace[:S * g * D].view(S, g, D).zero_()
-        while True:
+    for h0, g, routes, out in groups:
+
+        def launch(cfg, h0=h0, g=g, routes=routes, out=out):  # bound now: runs in this pass
             if pair_delta is not None:
                 gate_up = (w_gate, w_up)  # w_up is not read: the kernel goes by pair_delta
             elif use_tma:
-                gate_up = (TensorDescriptor.from_tensor(w_gate, [1, block_d, config.block_i]),
-                           TensorDescriptor.from_tensor(w_up, [1, block_d, config.block_i]))
+                gate_up = (TensorDescriptor.from_tensor(w_gate, [1, block_d, cfg.block_i]),
+                           TensorDescriptor.from_tensor(w_up, [1, block_d, cfg.block_i]))
             else:
                 gate_up = (w_gate, w_up)
             if use_tma:
-                down = TensorDescriptor.from_tensor(w_down, [1, config.block_i, block_d])
+                down = TensorDescriptor.from_tensor(w_down, [1, cfg.block_i, block_d])
             else:
                 down = w_down
-            max_tiles = triton.cdiv(routes, config.block_m) + g * E
-            tile_expert, tile_first = _tile_map(offsets, h0 * E, g * E, config.block_m,
-                                                max_tiles)
-            try:
-                _expert_forward_kernel[(max_tiles,)](
-                    x_ptr=x_heads, stride_xs=x_heads.stride(0), stride_xh=x_heads.stride(1),
-                    gather_ids_ptr=gather_ids, probs_ptr=sorted_probs, offsets_ptr=offsets,
-                    tile_expert_ptr=tile_expert, tile_first_ptr=tile_first,
-                    wg_ptr=gate_up[0], wu_ptr=gate_up[1], wd_ptr=down,
-                    out_ptr=out, slot_ptr=slots,
-                    E=E, first_expert=h0 * E, num_experts=g * E, first_head=h0,
-                    group_heads=g, slot_base=h0 * S * K, pair_delta=pair_delta or 0,
-                    D=D, I=I, BLOCK_M=config.block_m, BLOCK_I=config.block_i,
-                    BLOCK_D=block_d, EVEN_D=D == block_d,
-                    EVEN_I=I % config.block_i == 0, DETERMINISTIC=deterministic,
-                    UPCAST=interpreting, DOT_FP32=dot_fp32,
-                    PRECISION="ieee" if dot_fp32 else "tf32",  # tf32 is ignored by 16-bit dots
-                    USE_TMA=use_tma, PAIRED=pair_delta is not None,
-                    num_warps=config.num_warps, num_stages=config.num_stages,
-                )
-                break
-            except OutOfResources:
-                smaller = step_down(config)
-                if smaller is None:
-                    raise
-                config = smaller
-        if deterministic:
-            sum_p, sum_d = 32, min(128, block_d)
-            grid = (triton.cdiv(g * S, sum_p), triton.cdiv(D, sum_d))
-            _sum_slots_kernel[grid](
-                out, y, y.stride(0), y.stride(1), S, h0, g * S, D=D, K=K,
-                BLOCK_P=sum_p, BLOCK_D=sum_d, UPCAST=interpreting, num_warps=4,
+            max_tiles = triton.cdiv(routes, cfg.block_m) + g * E
+            tile_expert, tile_first = _tile_map(offsets, h0 * E, g * E, cfg.block_m, max_tiles)
+            _expert_forward_kernel[(max_tiles,)](
+                x_ptr=x_heads, stride_xs=x_heads.stride(0), stride_xh=x_heads.stride(1),
+                gather_ids_ptr=gather_ids, probs_ptr=sorted_probs, offsets_ptr=offsets,
+                tile_expert_ptr=tile_expert, tile_first_ptr=tile_first,
+                wg_ptr=gate_up[0], wu_ptr=gate_up[1], wd_ptr=down,
+                out_ptr=out, slot_ptr=groups.slots,
+                E=E, first_expert=h0 * E, num_experts=g * E, first_head=h0,
+                group_heads=g, slot_base=h0 * S * groups.K, pair_delta=pair_delta or 0,
+                D=D, I=I, BLOCK_M=cfg.block_m, BLOCK_I=cfg.block_i,
+                BLOCK_D=block_d, EVEN_D=D == block_d,
+                EVEN_I=I % cfg.block_i == 0, DETERMINISTIC=deterministic,
+                UPCAST=interpreting, DOT_FP32=dot_fp32,
+                PRECISION="ieee" if dot_fp32 else "tf32",  # tf32 is ignored by 16-bit dots
+                USE_TMA=use_tma, PAIRED=pair_delta is not None,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )
-        elif x_heads.dtype != torch.float32:
-            y[:, h0:h0 + g].copy_(out)
+
+        config = launch_with_step_down(launch, config)
+        groups.finish(h0, g, out, interpreting)
     return y
