@@ -15,6 +15,7 @@ FLOP: forward 6 S H K D I; forward+backward counted as 3x the forward.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
 import time
@@ -23,7 +24,11 @@ import torch
 import triton
 from triton.testing import do_bench
 
-from mhmoe.kernels.backward_configs import ExpertBackwardConfig, expert_backward_config
+from mhmoe.kernels.backward_configs import (
+    ExpertBackwardConfig,
+    PanelGemmConfig,
+    expert_backward_config,
+)
 from mhmoe.kernels.configs import ExpertForwardConfig
 from mhmoe.kernels.expert_backward import triton_expert_backward
 from mhmoe.kernels.expert_forward import triton_expert_forward
@@ -136,14 +141,25 @@ def time_size(S: int, gen, weights, det: bool, reps: int) -> dict:
     return row
 
 
+def parse_config(spec: str, default: ExpertBackwardConfig) -> ExpertBackwardConfig:
+    """'dx=m/i/w/s,dw=m/i/w/s,panel=m/n/k/w/s' over `default`; 'panel=none': recompute."""
+    parts = dict(p.split("=") for p in spec.split(","))
+    tiles = {}
+    for key, value in parts.items():
+        if key == "panel":
+            tiles[key] = None if value == "none" else PanelGemmConfig(*map(int, value.split("/")))
+        else:
+            tiles[key] = ExpertForwardConfig(*map(int, value.split("/")))
+    return dataclasses.replace(default, **tiles)
+
+
 def sweep(S: int, gen, weights, specs: str, reps: int) -> list[dict]:
-    """Backward time (default mode) of each 'dx=m/i/w/s,dw=m/i/w/s' config."""
+    """Backward time (default mode) of each config (see `parse_config`)."""
     x, dy, layout, (wg, wu, wd) = make_problem(S, gen, weights)
+    default = expert_backward_config(torch.device("cuda"), S * K / E)
     rows = []
     for spec in filter(None, specs.split(";")):
-        parts = dict(p.split("=") for p in spec.split(","))
-        tiles = {k: ExpertForwardConfig(*map(int, v.split("/"))) for k, v in parts.items()}
-        cfg = ExpertBackwardConfig(**tiles)
+        cfg = parse_config(spec, default)
         try:
             ms = median_ms(lambda c=cfg: triton_expert_backward(dy, x, *layout, wg, wu, wd,
                                                                 config=c), reps)
@@ -159,7 +175,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="expert_backward.json")
     parser.add_argument("--sizes", default="4096,32768")
-    parser.add_argument("--sweep", default="", help="'dx=m/i/w/s,dw=m/i/w/s;...' at max S")
+    parser.add_argument("--sweep", default="",
+                        help="'dx=m/i/w/s,dw=m/i/w/s,panel=m/n/k/w/s|none;...' at the largest S")
     parser.add_argument("--skip-checks", action="store_true")
     args = parser.parse_args()
     t0 = time.time()

@@ -15,17 +15,27 @@ import torch
 
 triton = pytest.importorskip("triton")
 
+import mhmoe.kernels.backward_configs as bc  # noqa: E402
 import mhmoe.kernels.expert_backward as eb  # noqa: E402
 import mhmoe.kernels.expert_forward as ef  # noqa: E402
-from mhmoe.kernels.backward_configs import ExpertBackwardConfig, expert_backward_config  # noqa: E402
+from mhmoe.kernels.backward_configs import (  # noqa: E402
+    ExpertBackwardConfig,
+    PanelGemmConfig,
+    expert_backward_config,
+)
 from mhmoe.kernels.configs import ExpertForwardConfig  # noqa: E402
 from mhmoe.reference import expert_backward_reference, sort_routes_reference  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# The weight gradients from panels (the default) or by recomputation (panel=None).
 BIG = ExpertBackwardConfig(dx=ExpertForwardConfig(32, 32, 4, 1),
-                           dw=ExpertForwardConfig(32, 32, 4, 1))
+                           dw=ExpertForwardConfig(32, 32, 4, 1),
+                           panel=PanelGemmConfig(32, 32, 32, 4, 1))
+RECOMPUTE = ExpertBackwardConfig(dx=BIG.dx, dw=BIG.dw)
 SMALL = ExpertBackwardConfig(dx=ExpertForwardConfig(16, 16, 4, 1, tma=False),
-                             dw=ExpertForwardConfig(16, 16, 4, 1))
+                             dw=ExpertForwardConfig(16, 16, 4, 1),
+                             panel=PanelGemmConfig(16, 16, 16, 4, 1, tma=False))
+PATHS = {"panels": BIG, "recompute": RECOMPUTE}
 NAMES = ("dx", "dprobs", "d_gate", "d_up", "d_down")
 # Relative error (vs float64) no gradient may exceed, by dtype of x and weights.
 FLOOR = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 8e-3}
@@ -143,27 +153,59 @@ def check(gen, S, H, E, K, D, I, dtype=torch.bfloat16, experts=None, config=BIG,
         (4, 2, 3, 3, 16, 16),  # K = E: every expert of a head gets every token
     ],
 )
-def test_matches_oracle(rng, deterministic, S, H, E, K, D, I):
-    check(rng, S, H, E, K, D, I, deterministic=deterministic)
+@pytest.mark.parametrize("path", PATHS)
+def test_matches_oracle(rng, deterministic, S, H, E, K, D, I, path):
+    check(rng, S, H, E, K, D, I, deterministic=deterministic, config=PATHS[path])
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_empty_expert(rng, deterministic):
+def test_empty_expert(rng, deterministic, path):
     # Experts 1 and 3 of every head get no route: their weight gradients are zeros.
-    grads = check(rng, 6, 2, 4, 2, 32, 32, experts=[0, 2], deterministic=deterministic)
+    grads = check(rng, 6, 2, 4, 2, 32, 32, experts=[0, 2], deterministic=deterministic,
+                  config=PATHS[path])
     for w in grads[2:]:
         assert not w.view(2, 4, -1)[:, [1, 3]].any()
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_every_route_on_one_expert(rng, deterministic):
+def test_every_route_on_one_expert(rng, deterministic, path):
     # One expert per head takes all 70 tokens: three row blocks of 32, the last partial.
-    check(rng, 70, 2, 3, 1, 16, 16, experts=[1], deterministic=deterministic)
+    check(rng, 70, 2, 3, 1, 16, 16, experts=[1], deterministic=deterministic,
+          config=PATHS[path])
 
 
 def test_small_tiles(rng):
     # 16-row, 16-wide tiles and pointer loads: many tiles and slices per expert.
     check(rng, 21, 2, 3, 2, 32, 48, config=SMALL)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_panel_groups(rng, monkeypatch, deterministic):
+    # Panels that hold one head at a time: one dx launch and three panel GEMMs per
+    # head, inside the dx combine's head groups (here all three heads in one).
+    per_head = eb._panel_rows(9, 3, 9 * 3 * 2, 4, 1, 32) * (2 * 32 + 3 * 48) * 2
+    monkeypatch.setattr(eb, "PANEL_WORKSPACE_BYTES", per_head)
+    check(rng, 9, 3, 4, 2, 32, 48, deterministic=deterministic)
+
+
+def test_panels_too_large_recompute_with_a_warning(rng, monkeypatch):
+    # When one head's panels would pass the limit the weight gradients are
+    # recomputed, with one warning that says why.
+    monkeypatch.setattr(eb, "PANEL_WORKSPACE_BYTES", 1)
+    monkeypatch.setattr(eb, "_warned_recompute", False)
+    with pytest.warns(UserWarning, match="PANEL_WORKSPACE_BYTES"):
+        check(rng, 5, 2, 3, 2, 32, 32)
+    assert bc.PANEL_WORKSPACE_BYTES == 2 * 2**30  # the module's own limit is untouched
+
+
+def test_panel_k_step_smaller_than_tile(rng):
+    # Panel GEMM steps of 16 rows over 32-row tiles, 16 x 32 output tiles (the last
+    # column block of I = 48 partial), pointer loads.
+    cfg = ExpertBackwardConfig(dx=BIG.dx, dw=BIG.dw,
+                               panel=PanelGemmConfig(16, 32, 16, 4, 1, tma=False))
+    check(rng, 40, 2, 3, 2, 32, 48, config=cfg)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -252,3 +294,18 @@ def test_hopper_configs_by_operand_dtype(monkeypatch):
     assert (fp32.dw.block_m, fp32.dw.block_i, fp32.dw.num_stages) == (32, 32, 1)
     bf16 = expert_backward_config(cuda, 768.0)
     assert (bf16.dw.block_m, bf16.dw.num_stages) == (128, 1)  # the measured default
+
+
+def test_panel_config_checks_and_step_down():
+    with pytest.raises(ValueError, match="block_k must be a power of two"):
+        PanelGemmConfig(32, 32, 24, 4, 1)
+    with pytest.raises(ValueError, match="num_warps"):
+        PanelGemmConfig(32, 32, 32, 3, 1)
+    with pytest.raises(ValueError, match="num_stages"):
+        PanelGemmConfig(32, 32, 32, 4, 0)
+    # Shrinking: pipelining depth first, then the output tile's columns, then its rows.
+    steps, cfg = [], PanelGemmConfig(32, 32, 16, 4, 2)
+    while cfg is not None:
+        steps.append((cfg.block_m, cfg.block_n, cfg.num_stages))
+        cfg = bc.step_down_panel(cfg)
+    assert steps == [(32, 32, 2), (32, 32, 1), (32, 16, 1), (16, 16, 1)]

@@ -1,20 +1,61 @@
 """Per-architecture tile choices of the fused expert backward, as data.
 
-The backward runs two kernels (`kernels/expert_backward.py`), each with its
-own tiles, so `ExpertBackwardConfig` holds one `ExpertForwardConfig` (the
-same four numbers: block_m, block_i, num_warps, num_stages, plus tma) for
-each. `expert_backward_config()` picks one from the GPU architecture and the
-shapes alone (never from the routing, which lives on the device); tests and
+The backward (`kernels/expert_backward.py`) runs the dx kernel and either the
+panel GEMMs (`panel`, the default where the panels fit their workspace) or the
+recomputing dW kernel (`dw`), each with its own tiles. `ExpertBackwardConfig`
+holds an `ExpertForwardConfig` (block_m, block_i, num_warps, num_stages, tma)
+for the dx and dW kernels and a `PanelGemmConfig` for the panel GEMMs.
+`expert_backward_config()` picks one from the GPU architecture and the shapes
+alone (never from the routing, which lives on the device); tests and
 benchmarks can pass their own.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
-from .configs import ExpertForwardConfig
+from .configs import ExpertForwardConfig, check_tiles
+
+# Bytes the panels of one launch group may take (see `expert_backward.py`): at
+# MAGI-2 dims and 32,768 tokens one head's panels are 1.86 GiB in bf16.
+PANEL_WORKSPACE_BYTES = 2 * 2**30
+
+
+@dataclass(frozen=True)
+class PanelGemmConfig:
+    """Tiles of the panel GEMM C[f] = A_f^T B_f (`_panel_dw_kernel`).
+
+    block_m, block_n: the [block_m, block_n] output tile of C[f] one program
+        owns (fp32 accumulator in registers).
+    block_k: panel rows per step of the reduction loop; at most the dx
+        kernel's block_m (the panel's row padding), which it must divide.
+    num_warps, num_stages: warps per program, pipelining depth of the loads.
+    tma: load the panel tiles with tensor descriptors where the shapes allow.
+    """
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    tma: bool = True
+
+    def __post_init__(self) -> None:
+        check_tiles(self, ("block_m", "block_n", "block_k"))
+
+
+def step_down_panel(cfg: PanelGemmConfig) -> PanelGemmConfig | None:
+    """The next panel config to try after `cfg` ran out of resources; None when none is left."""
+    if cfg.num_stages > 1:
+        return dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
+    if cfg.block_n > 16:
+        return dataclasses.replace(cfg, block_n=cfg.block_n // 2)
+    if cfg.block_m > 16:
+        return dataclasses.replace(cfg, block_m=cfg.block_m // 2)
+    return None
 
 
 @dataclass(frozen=True)
@@ -30,10 +71,12 @@ class ExpertBackwardConfig:
         accumulators live in registers, so block_i * D bounds the warps
         needed); block_m is the row block of its loop over the expert's
         routes; tma is unused (the weight slices are loaded once).
+    panel: the panel GEMMs' tiles, or None for the recomputing dW kernel.
     """
 
     dx: ExpertForwardConfig
     dw: ExpertForwardConfig
+    panel: PanelGemmConfig | None = None
 
 
 # Mean rows per expert (R / number of flat experts) -> tiles; the first row
@@ -43,11 +86,19 @@ class ExpertBackwardConfig:
 # over 8 warps. Measured on an H200 at S=32768 (benchmarks/NOTES.md,
 # "Backward"): dw 128/32/8/1 75 ms against 64/32/8/2 92 ms for the whole
 # backward; the dx tiles moved it by less than 3%.
+# The panel GEMMs: 128 x 256 output tiles, 64 panel rows a step, 3 stages (sm_90:
+# 147 KB of shared memory, 154 registers). Measured at S=32768 (NOTES.md, backward
+# v2): whole backward 40.8 ms against 41.4 with 128 x 128 tiles and 4 stages. The
+# dx kernel's panel stores need 8 KB more shared memory, so 128/32/8/2 (237 KB with
+# them, over the 227 KB) gives way to 128/16/8/3 (209 KB), which measured within
+# 0.5% of it without panels; 128/16/8/2 lost 13 ms.
+_HOPPER_PANEL = PanelGemmConfig(128, 256, 64, 8, 3)
 _HOPPER = (
     (40.0, ExpertBackwardConfig(dx=ExpertForwardConfig(64, 32, 4, 3),
-                                dw=ExpertForwardConfig(64, 32, 8, 2))),
-    (float("inf"), ExpertBackwardConfig(dx=ExpertForwardConfig(128, 32, 8, 2),
-                                        dw=ExpertForwardConfig(128, 32, 8, 1))),
+                                dw=ExpertForwardConfig(64, 32, 8, 2), panel=_HOPPER_PANEL)),
+    (float("inf"), ExpertBackwardConfig(dx=ExpertForwardConfig(128, 16, 8, 3),
+                                        dw=ExpertForwardConfig(128, 32, 8, 1),
+                                        panel=_HOPPER_PANEL)),
 )
 # float32 operands (fp32 weights, or mixed dtypes): twice the shared memory per
 # tile, and the "ieee" dots are pipelined differently. Sizes from sm_90
@@ -57,17 +108,20 @@ _HOPPER = (
 # which recompiles (10-25 s per fp32 kernel).
 _HOPPER_FP32 = (
     (float("inf"), ExpertBackwardConfig(dx=ExpertForwardConfig(64, 32, 4, 1),
-                                        dw=ExpertForwardConfig(32, 32, 8, 1))),
+                                        dw=ExpertForwardConfig(32, 32, 8, 1),
+                                        panel=PanelGemmConfig(64, 64, 32, 4, 2))),
 )
 # Ampere/Ada and unknown CUDA GPUs: less shared memory, no wgmma.
 _GENERIC_CUDA = (
     (float("inf"), ExpertBackwardConfig(dx=ExpertForwardConfig(64, 32, 4, 2),
-                                        dw=ExpertForwardConfig(32, 32, 8, 1))),
+                                        dw=ExpertForwardConfig(32, 32, 8, 1),
+                                        panel=PanelGemmConfig(64, 64, 32, 4, 2, tma=False))),
 )
 # The Triton interpreter (CPU tests): big tiles run fastest there.
 _INTERPRETER = (
     (float("inf"), ExpertBackwardConfig(dx=ExpertForwardConfig(32, 32, 4, 1),
-                                        dw=ExpertForwardConfig(32, 32, 4, 1))),
+                                        dw=ExpertForwardConfig(32, 32, 4, 1),
+                                        panel=PanelGemmConfig(32, 32, 32, 4, 1))),
 )
 _TABLES = {(9, 0): _HOPPER}
 

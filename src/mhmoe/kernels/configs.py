@@ -40,17 +40,21 @@ class ExpertForwardConfig:
     paired: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("block_m", "block_i"):
-            value = getattr(self, name)
-            if value < 16 or value & (value - 1):
-                raise ValueError(f"ExpertForwardConfig.{name} must be a power of two >= 16, "
-                                 f"got {value}")
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"ExpertForwardConfig.num_warps must be a power of two <= 16, got "
-                             f"{self.num_warps}")
-        if self.num_stages < 1:
-            raise ValueError(f"ExpertForwardConfig.num_stages must be >= 1, got "
-                             f"{self.num_stages}")
+        check_tiles(self, ("block_m", "block_i"))
+
+
+def check_tiles(cfg, blocks: tuple[str, ...]) -> None:
+    """Raise ValueError unless cfg's `blocks` are powers of two >= 16, num_warps a power
+    of two <= 16 and num_stages >= 1 (the rules of every tile config here)."""
+    kind = type(cfg).__name__
+    for name in blocks:
+        value = getattr(cfg, name)
+        if value < 16 or value & (value - 1):
+            raise ValueError(f"{kind}.{name} must be a power of two >= 16, got {value}")
+    if cfg.num_warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"{kind}.num_warps must be a power of two <= 16, got {cfg.num_warps}")
+    if cfg.num_stages < 1:
+        raise ValueError(f"{kind}.num_stages must be >= 1, got {cfg.num_stages}")
 
 
 # Rows per expert (R / number of flat experts, known from shapes alone) -> tiles.

@@ -8,18 +8,27 @@ route's probability (SPEC section 4 and `reference.expert_backward_reference`):
     dx     = dg Wg^T + du Wu^T                 summed over the K routes of (s, h)
     dWd    = a^T (p dy);  dWg = x^T dg;  dWu = x^T du
 
-Nothing of size [routes, I] is stored: both kernels recompute g, u and t.
+Nothing of size [routes, I] is kept between forward and backward. By default
+(`_Panels`) the dx kernel, which computes g, u, t, dg, du and a anyway, also
+writes the weight gradients' operands for one group of heads to a bounded
+workspace ("panels"), and three plain GEMMs per expert read them back:
+8 GEMMs of [rows, D, I] in all. Where one head's panels would not fit their
+limit, the dW kernel recomputes g, u and t instead (11 GEMMs).
 
 - `_expert_dx_kernel`: one program per (expert, row block), the forward's tile
   map. It loops over I in slices (g, u, t: three dots; dx: two more) and
   keeps a [BLOCK_M, D] fp32 dx accumulator and a per-row dprobs sum. dx rows
   are combined per (token, head) as the forward combines y: fp32 atomics by
-  default, ordered slots plus an ordered sum in deterministic mode.
-- `_expert_dw_kernel`: one program per (expert, I slice). It loops over the
-  expert's row blocks in ascending order, accumulates dWg, dWu and dWd^T for
-  its slice in fp32 registers and writes them once in the weight dtype:
-  each gradient element has exactly one owner, so no atomics, and the sum
-  order is fixed (deterministic in both modes).
+  default, ordered slots plus an ordered sum in deterministic mode. With
+  PANELS it stores x, dy, dg, du and a * p of its rows.
+- `_panel_dw_kernel`: dWg = x^T dg, dWu = x^T du, dWd = (a p)^T dy, one
+  program per (expert, output tile), the expert's panel rows summed in
+  ascending order; one owner per element, written once in the weight dtype.
+- `_expert_dw_kernel` (recompute): one program per (expert, I slice). It loops
+  over the expert's row blocks in ascending order, accumulates dWg, dWu and
+  dWd^T for its slice in fp32 registers and writes them once in the weight
+  dtype: each gradient element has exactly one owner, so no atomics, and the
+  sum order is fixed (deterministic in both modes).
 
 dprobs has one owner per route too. So in deterministic mode every output is
 bitwise reproducible; dx and dprobs are also independent of the token order,
@@ -31,18 +40,27 @@ tensor cores (the reference keeps them in fp32), which adds about one bf16
 rounding of relative error to dx and dW.
 
 The launch needs no host synchronisation: grids come from shapes (the dx
-grid is the forward's upper bound on tiles; the dW grid is F * cdiv(I,
-BLOCK_I)), so the backward can be captured in a CUDA graph.
+grid is the forward's upper bound on tiles, the panel GEMMs' grid the
+experts times the output tiles, the dW grid F * cdiv(I, BLOCK_I)), so the
+backward can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .backward_configs import ExpertBackwardConfig, expert_backward_config
+from .backward_configs import (
+    PANEL_WORKSPACE_BYTES,
+    ExpertBackwardConfig,
+    PanelGemmConfig,
+    expert_backward_config,
+    step_down_panel,
+)
 from .expert_forward import (
     HeadGroups,
     _combine_rows,
@@ -100,11 +118,13 @@ def _expert_dx_kernel(
     tile_expert_ptr, tile_first_ptr,  # [T_max] int32, [G*E] int32 (forward's _tile_map)
     wg_ptr, wu_ptr, wd_ptr,  # [H*E, D, I], [H*E, D, I], [H*E, I, D]: pointers or TMA descriptors
     dx_ptr, slot_ptr, dprobs_ptr,  # dx: fp32 [S, G, D] or [G*S*K, D] (deterministic); [R]; [R]
+    xp_ptr, dyp_ptr, dgp_ptr, dup_ptr, app_ptr,  # PANELS: [P, D], [P, D], [P, I] x 3
     E, first_expert, num_experts, first_head, group_heads, slot_base,
     D: tl.constexpr, I: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, EVEN_I: tl.constexpr, DETERMINISTIC: tl.constexpr,
     UPCAST: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    PANELS: tl.constexpr,
 ):
     """dx rows and dprobs of one tile of routes.
 
@@ -115,6 +135,9 @@ def _expert_dx_kernel(
     dx rows, added atomically into the fp32 [S, G, D] buffer, or stored to
     their slots (deterministic). Programs past the last tile return at once.
     UPCAST, DOT_FP32, PRECISION, USE_TMA: as in the forward kernel.
+    PANELS: also write the tile's rows of x, dy, dg, du and a * p (the
+    operands of the weight gradients, as the dots would take them) to panel
+    rows [t * BLOCK_M, (t + 1) * BLOCK_M), rows past the expert's end as zeros.
     """
     pid = tl.program_id(0)
     e = tl.load(tile_expert_ptr + pid)
@@ -122,6 +145,7 @@ def _expert_dx_kernel(
         return
     f, head, rows, row_ok, tokens = _tile_rows(pid, e, tile_first_ptr, offsets_ptr,
                                                gather_ids_ptr, first_expert, E, BLOCK_M)
+    prow = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # PANELS: this tile's rows
 
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
@@ -136,6 +160,12 @@ def _expert_dx_kernel(
         x = x.to(tl.float32)
         dy = dy.to(tl.float32)
     p = tl.load(probs_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    if PANELS:
+        # Masked rows loaded as zeros: the padding rows of the panels are zeros.
+        panel_dtype = xp_ptr.dtype.element_ty
+        xy_panel = prow[:, None] * D + d[None, :]
+        tl.store(xp_ptr + xy_panel, x.to(panel_dtype), mask=d_ok[None, :])
+        tl.store(dyp_ptr + xy_panel, dy.to(panel_dtype), mask=d_ok[None, :])
 
     i = tl.arange(0, BLOCK_I)
     if not USE_TMA:
@@ -177,6 +207,14 @@ def _expert_dx_kernel(
         dprob += tl.sum(a * t, axis=1)
         dg = _to_operand(dg, w_dtype, UPCAST, DOT_FP32)
         du = _to_operand(du, w_dtype, UPCAST, DOT_FP32)
+        if PANELS:
+            # The weight-gradient operands, rounded as `_dw_rows` rounds them.
+            ap = _to_operand(a * p[:, None], w_dtype, UPCAST, DOT_FP32)
+            i_panel = prow[:, None] * I + (i0 + i)[None, :]
+            i_ok = (i0 + i < I)[None, :]
+            tl.store(dgp_ptr + i_panel, dg.to(panel_dtype), mask=i_ok)
+            tl.store(dup_ptr + i_panel, du.to(panel_dtype), mask=i_ok)
+            tl.store(app_ptr + i_panel, ap.to(panel_dtype), mask=i_ok)
         acc = tl.dot(dg, tl.trans(wg), acc, input_precision=PRECISION)
         acc = tl.dot(du, tl.trans(wu), acc, input_precision=PRECISION)
         if not USE_TMA:
@@ -305,6 +343,82 @@ def _expert_dw_kernel(
     tl.store(dwd_ptr + f * I * D + i[None, :] * D + d[:, None], acc_d.to(w_dtype), mask=gu_ok)
 
 
+@triton.jit
+def _panel_tiles(a_ptr, b_ptr, r, m0, n0, M: tl.constexpr, N: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 USE_TMA: tl.constexpr):
+    """Panel rows [r, r + BLOCK_K): A's columns [m0, m0 + BLOCK_M), B's [n0, n0 + BLOCK_N),
+    zero past M or N (masks, or the descriptors' bounds)."""
+    if USE_TMA:
+        a = a_ptr.load([r.to(tl.int32), m0])
+        b = b_ptr.load([r.to(tl.int32), n0])
+    else:
+        k = r + tl.arange(0, BLOCK_K)
+        m = m0 + tl.arange(0, BLOCK_M)
+        n = n0 + tl.arange(0, BLOCK_N)
+        a = tl.load(a_ptr + k[:, None] * M + m[None, :], mask=(m < M)[None, :], other=0.0)
+        b = tl.load(b_ptr + k[:, None] * N + n[None, :], mask=(n < N)[None, :], other=0.0)
+    return a, b
+
+
+@triton.jit
+def _panel_dw_kernel(
+    a_ptr, b_ptr, c_ptr,  # panels A [P, M], B [P, N] (pointers or TMA descriptors); C [F, M, N]
+    offsets_ptr, tile_first_ptr,  # CSR offsets [H*E + 1]; the dx launch's tile_first [n]
+    first_expert,
+    M: tl.constexpr, N: tl.constexpr, TILE_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+):
+    """C[f] = A_f^T B_f for the n experts of one panel group, one output tile a program.
+
+    A_f, B_f: the panel rows of expert f = first_expert + e, rows
+    [tile_first[e] * TILE_M, (tile_first[e] + tiles) * TILE_M), tiles =
+    cdiv(routes of f, TILE_M) (the dx kernel's tiles; padding rows are zeros).
+    Launch grid: (n * cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),); program q owns
+    expert e = q // (tiles of C) and one [BLOCK_M, BLOCK_N] tile of C[f],
+    summed over the expert's rows in ascending order in fp32 and written once
+    in C's dtype (an expert without routes writes zeros). One owner per
+    element and a fixed order: deterministic. BLOCK_K divides TILE_M.
+    USE_TMA: a_ptr, b_ptr are descriptors with blocks [BLOCK_K, BLOCK_M] and
+    [BLOCK_K, BLOCK_N], whose bounds zero-fill columns past M or N.
+    """
+    NUM_M: tl.constexpr = (M + BLOCK_M - 1) // BLOCK_M
+    NUM_N: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
+    pid = tl.program_id(0)
+    e = pid // (NUM_M * NUM_N)
+    m0 = (pid // NUM_N) % NUM_M * BLOCK_M
+    n0 = pid % NUM_N * BLOCK_N
+    f = (first_expert + e).to(tl.int64)
+    routes = tl.load(offsets_ptr + f + 1) - tl.load(offsets_ptr + f)
+    row0 = tl.load(tile_first_ptr + e).to(tl.int64) * TILE_M
+    steps = tl.cdiv(routes, TILE_M) * (TILE_M // BLOCK_K)
+
+    m = m0 + tl.arange(0, BLOCK_M)
+    n = n0 + tl.arange(0, BLOCK_N)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if UPCAST:
+        # The interpreter cannot range() over a loaded scalar; a while loop
+        # runs the same steps in the same order.
+        step = 0
+        while step < steps:
+            a, b = _panel_tiles(a_ptr, b_ptr, row0 + step * BLOCK_K, m0, n0, M, N,
+                                BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA)
+            acc = tl.dot(tl.trans(a.to(tl.float32)), b.to(tl.float32), acc,
+                         input_precision=PRECISION)
+            step += 1
+    else:
+        for step in range(0, steps):
+            a, b = _panel_tiles(a_ptr, b_ptr, row0 + step * BLOCK_K, m0, n0, M, N,
+                                BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA)
+            acc = tl.dot(tl.trans(a), b, acc, input_precision=PRECISION)
+    c_dtype = c_ptr.dtype.element_ty
+    if UPCAST:
+        acc = _round_fp32(acc, c_dtype)
+    tl.store(c_ptr + f * M * N + m[:, None] * N + n[None, :], acc.to(c_dtype),
+             mask=(m < M)[:, None] & (n < N)[None, :])
+
+
 def triton_expert_backward(
     grad_y: torch.Tensor,
     x_heads: torch.Tensor,
@@ -357,16 +471,118 @@ def triton_expert_backward(
     gather_ids, sorted_probs, offsets = (
         gather_ids.contiguous(), sorted_probs.contiguous(), offsets.contiguous())
     precision = "ieee" if dot_fp32 else "tf32"  # tf32 is ignored by 16-bit dots
-    _backward_dw(grad_y, x_heads, gather_ids, sorted_probs, offsets, w_gate, w_up, w_down,
-                 d_gate, d_up, d_down, config.dw, dot_fp32, precision, interpreting)
+    panels = _Panels.plan(config, x_heads, R, F, I, dot_fp32, w_down.dtype, interpreting)
+    if panels is None:
+        _backward_dw(grad_y, x_heads, gather_ids, sorted_probs, offsets, w_gate, w_up, w_down,
+                     d_gate, d_up, d_down, config.dw, dot_fp32, precision, interpreting)
     _backward_dx(grad_y, x_heads, gather_ids, sorted_probs, offsets, w_gate, w_up, w_down,
-                 dx, dprobs, config.dx, deterministic, dot_fp32, precision, interpreting)
+                 dx, dprobs, config.dx, deterministic, dot_fp32, precision, interpreting,
+                 panels, (d_gate, d_up, d_down))
     return dx, dprobs.to(sorted_probs.dtype), d_gate, d_up, d_down
+
+
+class _Panels:
+    """The operands of the weight gradients, written by the dx kernel (PANELS).
+
+    For the experts of one launch of the dx kernel (a group of `heads` heads),
+    with T tiles of block_m rows in its grid: x, dy [T * block_m, D] and dg,
+    du, a * p [T * block_m, I] in the dtype the dots take (the weights' 16-bit
+    dtype, or float32), tile t's routes in rows [t * block_m, (t + 1) * block_m),
+    zeros past an expert's last route. The three weight gradients are then
+    plain GEMMs over each expert's contiguous rows (`_panel_dw_kernel`):
+    dWg = x^T dg, dWu = x^T du, dWd = (a p)^T dy, without recomputing g, u and
+    dy Wd^T (8 GEMMs of [rows, D, I] in all, against 11 for `_expert_dw_kernel`).
+    One buffer of at most `PANEL_WORKSPACE_BYTES` serves every group.
+    """
+
+    def __init__(self, tiles: PanelGemmConfig, heads: int, rows_per_head: int, block_m: int,
+                 D: int, I: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.tiles, self.heads, self.dtype = tiles, heads, dtype
+        self.rows = heads * rows_per_head  # panel rows of the largest group
+        self.buffer = torch.empty(self.rows * (2 * D + 3 * I), dtype=dtype, device=device)
+        self.D, self.I, self.block_m = D, I, block_m
+
+    @classmethod
+    def plan(cls, config, x_heads, R, F, I, dot_fp32, w_dtype, interpreting) -> _Panels | None:
+        """Panels for this problem, or None for the recomputing dW kernel: no panel
+        config, or one head's panels would pass PANEL_WORKSPACE_BYTES."""
+        S, H, D = x_heads.shape
+        if config.panel is None:
+            return None
+        dtype = torch.float32 if dot_fp32 else w_dtype
+        block_m = config.dx.block_m
+        E = F // H
+        per_head = _panel_rows(S, H, R, E, 1, block_m)
+        per_head_bytes = per_head * (2 * D + 3 * I) * dtype.itemsize
+        heads = min(H, PANEL_WORKSPACE_BYTES // per_head_bytes)
+        if heads == 0:
+            _warn_recompute(per_head_bytes)
+            return None
+        return cls(config.panel, heads, per_head, block_m, D, I, dtype, x_heads.device)
+
+    def views(self, rows: int) -> tuple[torch.Tensor, ...]:
+        """x, dy [rows, D] and dg, du, a*p [rows, I]: views of one buffer."""
+        if rows > self.rows:
+            raise AssertionError(f"panels of {rows} rows asked of a buffer of {self.rows}")
+        D, I = self.D, self.I
+        sizes = (rows * D, rows * D, rows * I, rows * I, rows * I)
+        parts = self.buffer[:sum(sizes)].split(sizes)
+        return tuple(t.view(rows, -1) for t in parts)
+
+    def weight_gradients(self, views, tile_first, first_expert: int, experts: int, block_m: int,
+                         offsets, grads, dot_fp32: bool, precision: str, interpreting: bool):
+        """dWg, dWu, dWd of `experts` flat experts from `first_expert`, from the panels."""
+        xp, dyp, dgp, dup, app = views
+        d_gate, d_up, d_down = grads
+        for a, b, c in ((xp, dgp, d_gate), (xp, dup, d_up), (app, dyp, d_down)):
+            M, N = a.shape[1], b.shape[1]
+
+            def launch(t, a=a, b=b, c=c, M=M, N=N):  # bound now: runs in this pass
+                block_k = min(t.block_k, block_m)
+                use_tma = (t.tma and (M * a.element_size()) % 16 == 0
+                           and (N * b.element_size()) % 16 == 0)
+                if use_tma:
+                    a_arg = TensorDescriptor.from_tensor(a, [block_k, t.block_m])
+                    b_arg = TensorDescriptor.from_tensor(b, [block_k, t.block_n])
+                else:
+                    a_arg, b_arg = a, b
+                grid = (experts * triton.cdiv(M, t.block_m) * triton.cdiv(N, t.block_n),)
+                _panel_dw_kernel[grid](
+                    a_ptr=a_arg, b_ptr=b_arg, c_ptr=c,
+                    offsets_ptr=offsets, tile_first_ptr=tile_first, first_expert=first_expert,
+                    M=M, N=N, TILE_M=block_m,
+                    BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=block_k,
+                    UPCAST=interpreting, DOT_FP32=dot_fp32, PRECISION=precision,
+                    USE_TMA=use_tma, num_warps=t.num_warps, num_stages=t.num_stages,
+                )
+
+            self.tiles = launch_with_step_down(launch, self.tiles, step_down_panel)
+
+
+def _panel_rows(S: int, H: int, R: int, E: int, heads: int, block_m: int) -> int:
+    """Rows of the panels of `heads` heads: the dx grid's bound on tiles, times block_m."""
+    routes = S * heads * (R // (S * H)) if R % (S * H) == 0 else R
+    return (triton.cdiv(routes, block_m) + heads * E) * block_m
+
+
+_warned_recompute = False
+
+
+def _warn_recompute(per_head_bytes: int) -> None:
+    global _warned_recompute
+    if not _warned_recompute:
+        _warned_recompute = True
+        warnings.warn(
+            f"expert_backward: one head's weight-gradient panels would take "
+            f"{per_head_bytes / 2**30:.2f} GiB, more than the {PANEL_WORKSPACE_BYTES / 2**30:.2f} "
+            f"GiB allowed (backward_configs.PANEL_WORKSPACE_BYTES); the weight gradients "
+            f"recompute g, u and dy W_down^T instead (slower, same results up to rounding)",
+            stacklevel=3)
 
 
 def _backward_dw(grad_y, x_heads, gather_ids, sorted_probs, offsets, w_gate, w_up, w_down,
                  d_gate, d_up, d_down, tiles, dot_fp32, precision, interpreting) -> None:
-    """The three weight gradients: one launch over every (expert, I slice)."""
+    """The three weight gradients by recomputation: one launch over every (expert, I slice)."""
     _, H, D = x_heads.shape
     F, _, I = w_gate.shape
 
@@ -385,17 +601,23 @@ def _backward_dw(grad_y, x_heads, gather_ids, sorted_probs, offsets, w_gate, w_u
 
 
 def _backward_dx(grad_y, x_heads, gather_ids, sorted_probs, offsets, w_gate, w_up, w_down,
-                 dx, dprobs, tiles, deterministic, dot_fp32, precision, interpreting) -> None:
-    """dx and dprobs, in groups of heads whose fp32 workspace fits the forward's limits."""
+                 dx, dprobs, tiles, deterministic, dot_fp32, precision, interpreting,
+                 panels=None, grads=None) -> None:
+    """dx and dprobs, in groups of heads whose fp32 workspace fits the forward's limits
+    (and with `panels`, at most `panels.heads` heads, each launch followed by the
+    weight gradients of its experts from the panels it wrote)."""
     S, H, D = x_heads.shape
     F, _, I = w_gate.shape
+    R = gather_ids.numel()
     E = F // H
-    groups = HeadGroups(dx, gather_ids, offsets, E, deterministic, "expert_backward")
+    groups = HeadGroups(dx, gather_ids, offsets, E, deterministic, "expert_backward",
+                        max_heads=panels.heads if panels is not None else None)
     block_d = triton.next_power_of_2(D)
     tma_ok = tma_fits(D, I, w_down.element_size())
-    for h0, g, routes, out in groups:
+    for h0, g, _routes, out in groups:
+        ran = {}
 
-        def launch(t, h0=h0, g=g, routes=routes, out=out):  # bound now: runs in this pass
+        def launch(t, h0=h0, g=g, out=out, ran=ran):  # bound now: runs in this pass
             use_tma = t.tma and tma_ok
             if use_tma:
                 weights = (TensorDescriptor.from_tensor(w_gate, [1, block_d, t.block_i]),
@@ -403,21 +625,29 @@ def _backward_dx(grad_y, x_heads, gather_ids, sorted_probs, offsets, w_gate, w_u
                            TensorDescriptor.from_tensor(w_down, [1, t.block_i, block_d]))
             else:
                 weights = (w_gate, w_up, w_down)
-            max_tiles = triton.cdiv(routes, t.block_m) + g * E
+            max_tiles = _panel_rows(S, H, R, E, g, t.block_m) // t.block_m
             tile_expert, tile_first = _tile_map(offsets, h0 * E, g * E, t.block_m, max_tiles)
+            views = panels.views(max_tiles * t.block_m) if panels is not None else (dx,) * 5
             _expert_dx_kernel[(max_tiles,)](
                 x_ptr=x_heads, dy_ptr=grad_y, H=H,
                 gather_ids_ptr=gather_ids, probs_ptr=sorted_probs, offsets_ptr=offsets,
                 tile_expert_ptr=tile_expert, tile_first_ptr=tile_first,
                 wg_ptr=weights[0], wu_ptr=weights[1], wd_ptr=weights[2],
                 dx_ptr=out, slot_ptr=groups.slots, dprobs_ptr=dprobs,
+                xp_ptr=views[0], dyp_ptr=views[1], dgp_ptr=views[2], dup_ptr=views[3],
+                app_ptr=views[4],
                 E=E, first_expert=h0 * E, num_experts=g * E, first_head=h0, group_heads=g,
                 slot_base=h0 * S * groups.K,
                 D=D, I=I, BLOCK_M=t.block_m, BLOCK_I=t.block_i, BLOCK_D=block_d,
                 EVEN_D=D == block_d, EVEN_I=I % t.block_i == 0, DETERMINISTIC=deterministic,
                 UPCAST=interpreting, DOT_FP32=dot_fp32, PRECISION=precision, USE_TMA=use_tma,
-                num_warps=t.num_warps, num_stages=t.num_stages,
+                PANELS=panels is not None, num_warps=t.num_warps, num_stages=t.num_stages,
             )
+            ran.update(views=views, tile_first=tile_first)
 
         tiles = launch_with_step_down(launch, tiles)
+        if panels is not None:
+            panels.weight_gradients(ran["views"], ran["tile_first"], h0 * E, g * E,
+                                    tiles.block_m, offsets, grads, dot_fp32, precision,
+                                    interpreting)
         groups.finish(h0, g, out, interpreting)

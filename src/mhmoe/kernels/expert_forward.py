@@ -323,15 +323,15 @@ def tma_fits(D: int, I: int, elem: int) -> bool:
     return block_d == D and D <= 256 and (D * elem) % 16 == 0 and (I * elem) % 16 == 0
 
 
-def launch_with_step_down(launch, config):
-    """Run `launch(config)`, shrinking the tiles (`configs.step_down`) while they do
-    not fit the chip; returns the config that ran."""
+def launch_with_step_down(launch, config, step=step_down):
+    """Run `launch(config)`, shrinking the tiles (`step`, by default `configs.step_down`)
+    while they do not fit the chip; returns the config that ran."""
     while True:
         try:
             launch(config)
             return config
         except OutOfResources:
-            smaller = step_down(config)
+            smaller = step(config)
             if smaller is None:
                 raise
             config = smaller
@@ -347,10 +347,12 @@ class HeadGroups:
     adds (`result` itself when it is fp32). Deterministic mode: `out` is an fp32
     [g*S*K, D] buffer of per-route slots (`slots`), which `_sum_slots_kernel` adds
     in a fixed order. `routes` bounds the routes of the group (for the grid).
+    `max_heads` caps the heads of a group below what the workspace limits allow.
     """
 
     def __init__(self, result: torch.Tensor, gather_ids: torch.Tensor, offsets: torch.Tensor,
-                 num_experts: int, deterministic: bool, op: str) -> None:
+                 num_experts: int, deterministic: bool, op: str,
+                 max_heads: int | None = None) -> None:
         S, H, D = result.shape
         R = gather_ids.numel()
         self.result, self.deterministic = result, deterministic
@@ -363,16 +365,17 @@ class HeadGroups:
                                  f"for every (token, head); R={R} is not a multiple of "
                                  f"S*H={S * H}")
             self.slots = _route_slots(gather_ids, offsets, S, num_experts)
-            self.size = max(1, min(H, DETERMINISTIC_WORKSPACE_BYTES // (S * self.K * D * 4)))
+            self.size = max(1, min(H, max_heads or H,
+                                   DETERMINISTIC_WORKSPACE_BYTES // (S * self.K * D * 4)))
             # One workspace for the largest group; each group uses a prefix of it.
             self.workspace = torch.empty(self.size * S * self.K * D, dtype=torch.float32,
                                          device=result.device)
         else:
             self.slots = gather_ids  # unused by the kernels in this mode
             if result.dtype == torch.float32:
-                self.size = H  # accumulate straight into the result: no workspace
+                self.size = min(H, max_heads or H)  # accumulate straight into the result
             else:
-                self.size = max(1, min(H, DEFAULT_WORKSPACE_BYTES // (S * D * 4)))
+                self.size = max(1, min(H, max_heads or H, DEFAULT_WORKSPACE_BYTES // (S * D * 4)))
                 self.workspace = torch.empty(S * self.size * D, dtype=torch.float32,
                                              device=result.device)
 
