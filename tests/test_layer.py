@@ -191,6 +191,39 @@ def test_triton_backend_layer_matches_torch_backend(rng):
         assert rel_err(a, b) < 1e-5
 
 
+def test_fused_router_in_the_layer(rng):
+    # bf16 layer on the triton path (the interpreter): route_heads takes the fused logits +
+    # route kernel by default; its output and gradients match fused_router=False.
+    cfg = mhmoe.MultiHeadMoEConfig(hidden_size=64, num_heads=2, num_experts=16, top_k=3,
+                                   expert_intermediate_size=32, params_dtype=torch.bfloat16,
+                                   route_scale=4.9)
+    layers = {f: MultiHeadMoE(cfg, backend="triton", fused_router=f) for f in (None, False)}
+    layers[None].reset_parameters(generator=rng)
+    layers[False].load_state_dict(layers[None].state_dict())
+    x = torch.randn(5, 64, generator=rng).bfloat16()
+    grad_y = torch.randn(5, 64, generator=rng)  # fixed: d probs does not depend on y
+    outs = {}
+    for f, layer in layers.items():
+        xx = x.clone().requires_grad_()
+        y = layer(xx)
+        (y.float() * grad_y).sum().backward()
+        with torch.no_grad():
+            probs, indices = layer.route_heads(x.view(5, 2, 32))
+        outs[f] = (y.detach(), xx.grad, layer.gate.grad, probs, indices)
+    (y_f, gx_f, gg_f, p_f, i_f), (y_u, gx_u, gg_u, p_u, i_u) = outs[None], outs[False]
+    assert torch.equal(i_f, i_u)
+    torch.testing.assert_close(p_f, p_u, rtol=2e-6, atol=0)
+    # probabilities within 2e-6: bf16 output and x gradient agree to their rounding,
+    # the fp32 router gradient to fp32 rounding
+    assert rel_err(y_f, y_u) < 1e-2 and rel_err(gx_f, gx_u) < 1e-2
+    assert rel_err(gg_f, gg_u) < 1e-5
+    with pytest.raises(ValueError, match="fused_router"):
+        MultiHeadMoE(cfg, fused_router="yes")
+    # asked for where it cannot run (the torch path): an error, not a slow path
+    with pytest.raises(ValueError, match="fused=True"):
+        MultiHeadMoE(cfg, backend="torch", fused_router=True)(x)
+
+
 def test_autocast_does_not_change_the_numerics(rng):
     # SPEC: router logits in fp32, expert accumulators in fp32. An autocast region
     # around the call (common in diffusion inference) must not turn them into bf16.

@@ -273,3 +273,128 @@ def test_triton_routing_refuses_float64():
     # auto keeps float64 on the PyTorch path (the CPU here: always the PyTorch path)
     probs, _ = mhmoe.route(torch.randn(1, 2, 4, dtype=torch.float64), 2)
     assert probs.dtype == torch.float64
+
+
+# ------------------------------- route_tokens: router logits and routing, fused or unfused
+
+
+def _token_inputs(rng, S=9, H=2, E=16, D=32, dtype=torch.bfloat16):
+    x = torch.randn(S, H, D, generator=rng).to(dtype)
+    gate = torch.randn(H, E, D, generator=rng) * D**-0.5
+    bias = torch.randn(H, E, generator=rng) * 0.02
+    return x, gate, bias
+
+
+@pytest.mark.parametrize("score_func", ["sigmoid", "softmax"])
+def test_route_tokens_fused_matches_unfused_with_gradients(rng, score_func):
+    # The fused kernel (the interpreter here) against the fp32 GEMM + route path:
+    # the same routes, and gradients into x and gate through the probabilities.
+    from oracle import rel_err
+
+    x, gate, bias = _token_inputs(rng)
+    grad_p = torch.randn(2, 9, 4, generator=rng)
+    out = {}
+    for fused in (True, False):
+        xx, gg = x.clone().requires_grad_(), gate.clone().requires_grad_()
+        probs, indices = mhmoe.routing.route_tokens(xx, gg, 4, score_func, bias,
+                                                    route_scale=4.9, backend="triton",
+                                                    fused=fused)
+        (probs * grad_p).sum().backward()
+        out[fused] = (probs.detach(), indices, xx.grad, gg.grad)
+    (p_f, i_f, gx_f, gg_f), (p_u, i_u, gx_u, gg_u) = out[True], out[False]
+    assert torch.equal(i_f, i_u)  # random data: no near-tie at this size
+    torch.testing.assert_close(p_f, p_u, rtol=2e-6, atol=0)
+    assert gx_f.dtype == torch.bfloat16 and gg_f.dtype == torch.float32
+    assert rel_err(gg_f, gg_u) < 1e-5
+    assert rel_err(gx_f, gx_u) < 1e-3  # bf16 gradient: a rounding may flip
+
+
+def test_route_tokens_saves_logits_only_for_a_backward(rng, monkeypatch):
+    # No-grad calls (inference) write no logits for a backward; grad calls do.
+    import mhmoe.kernels.routing as kr
+
+    seen = []
+    real = kr.triton_logits_route
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["return_logits"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kr, "triton_logits_route", spy)
+    x, gate, bias = _token_inputs(rng)
+    call = lambda xx, gg: mhmoe.routing.route_tokens(xx, gg, 3, "sigmoid", bias,  # noqa: E731
+                                                     backend="triton")
+    probs, _ = call(x, gate)
+    assert probs.grad_fn is None
+    with torch.no_grad():
+        probs, _ = call(x.requires_grad_(), gate.requires_grad_())
+    assert probs.grad_fn is None
+    probs, _ = call(x, gate)
+    assert probs.grad_fn is not None
+    assert seen == [False, False, True]
+
+
+def test_route_tokens_path_choice(rng, monkeypatch):
+    import mhmoe.kernels.routing as kr
+
+    calls = []
+    real = kr.triton_logits_route
+    monkeypatch.setattr(kr, "triton_logits_route",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    x, gate, _ = _token_inputs(rng)
+    route_tokens = mhmoe.routing.route_tokens
+    # the fused kernel is the default on the triton path with bf16 x ...
+    route_tokens(x, gate, 3, backend="triton")
+    assert calls == [1]
+    # ... and never taken elsewhere: fp32 x, the torch path, fused=False
+    route_tokens(x.float(), gate, 3, backend="triton")
+    route_tokens(x, gate, 3, backend="torch")
+    route_tokens(x, gate, 3, backend="triton", fused=False)
+    assert calls == [1]
+    # asked for explicitly where it cannot run: an error that says why, no slow path
+    with pytest.raises(ValueError, match="bfloat16"):
+        route_tokens(x.float(), gate, 3, backend="triton", fused=True)
+    with pytest.raises(ValueError, match="PyTorch path"):
+        route_tokens(x, gate, 3, backend="torch", fused=True)
+    with pytest.raises(ValueError, match="power of two"):
+        route_tokens(x, gate[:, :12], 3, backend="triton", fused=True)
+    # the argument checks of route()
+    with pytest.raises(ValueError, match="top_k"):
+        route_tokens(x, gate, 17, backend="triton")
+    with pytest.raises(ValueError, match="expert_bias"):
+        route_tokens(x, gate, 3, expert_bias=torch.zeros(5), backend="triton")
+    with pytest.raises(ValueError, match=r"\[H=2, E, D=32\]"):
+        route_tokens(x, gate[:1], 3)
+    # the unfused path of a float64 router keeps float64 (gradient checks)
+    probs, _ = route_tokens(x.double(), gate.double(), 3)
+    assert probs.dtype == torch.float64
+
+
+def test_fused_routing_op_registration(rng):
+    from mhmoe.routing import _logits_route_triton_op
+
+    x, gate, bias = _token_inputs(rng, S=5)
+    for save_logits in (True, False):
+        args = (x.requires_grad_(save_logits), gate.requires_grad_(save_logits), 3, "sigmoid",
+                bias, True, 1e-12, 2.0, 1, 1, save_logits)
+        torch.library.opcheck(_logits_route_triton_op, args)
+
+
+def test_fused_routing_under_torch_compile(rng):
+    # fullgraph: the op's fake implementation, the grad-mode decision and the backward
+    x, gate, bias = _token_inputs(rng, S=7)
+
+    def f(xx, gg):
+        probs, indices = mhmoe.routing.route_tokens(xx, gg, 3, "sigmoid", bias,
+                                                    route_scale=4.9, backend="triton")
+        return probs, indices
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    grads = []
+    for fn in (f, compiled):
+        xx, gg = x.clone().requires_grad_(), gate.clone().requires_grad_()
+        probs, indices = fn(xx, gg)
+        probs.square().sum().backward()
+        grads.append((probs.detach(), indices, xx.grad, gg.grad))
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a, b)

@@ -12,8 +12,7 @@ from .backends import BACKENDS
 from .config import BIAS_SOURCES, MultiHeadMoEConfig
 from .experts import expert_forward
 from .parallel import HeadPartition, dispatch, gather_token_counts, undispatch
-from .reference import exact_precision
-from .routing import route, sort_routes
+from .routing import route_tokens, sort_routes
 
 BIAS_SOURCE_ENV = "MAGI2_ROUTER_BIAS_SOURCE"
 DETERMINISTIC_ENV = "MAGI2_DETERMINISTIC"
@@ -56,33 +55,6 @@ class RouterBiases(nn.Module):
                                             requires_grad=False)
 
 
-class _RouterLogits(torch.autograd.Function):
-    """logits[h, s, e] = x[s, h] . gate[h, e] in the router's dtype (float32).
-
-    Autograd of the plain `bmm(x.float(), gate^T)` would save the float32 copy
-    of x (12 KB per token for MAGI-2); this saves x as it is (the expert op
-    keeps it anyway) and upcasts again in the backward.
-    x_heads: [S, H, D]; gate: [H, E, D] -> logits [H, S, E]
-    """
-
-    @staticmethod
-    @exact_precision
-    def forward(ctx, x_heads, gate):
-        ctx.save_for_backward(x_heads, gate)
-        return torch.bmm(x_heads.transpose(0, 1).to(gate.dtype), gate.transpose(1, 2))
-
-    @staticmethod
-    @exact_precision
-    def backward(ctx, grad):
-        x_heads, gate = ctx.saved_tensors
-        grad_x = grad_gate = None
-        if ctx.needs_input_grad[0]:
-            grad_x = torch.bmm(grad, gate).transpose(0, 1).to(x_heads.dtype)
-        if ctx.needs_input_grad[1]:
-            grad_gate = torch.bmm(grad.transpose(1, 2), x_heads.transpose(0, 1).to(gate.dtype))
-        return grad_x, grad_gate
-
-
 class MultiHeadMoE(nn.Module):
     """A multi-head mixture-of-experts layer (SPEC section 5).
 
@@ -98,6 +70,10 @@ class MultiHeadMoE(nn.Module):
       W_gate, W_up [local_flat, D, I] params_dtype
       W_down       [local_flat, I, D] params_dtype
       router.expert_bias, router.expert_bias_ema [local_flat] float32 (likewise), frozen
+
+    backend: "auto" | "torch" | "triton" for every op; fused_router: `fused` of
+    `routing.route_tokens` (None: router logits and routing as one kernel where
+    it applies, i.e. the triton path with bf16 input; True: required; False: never).
     """
 
     def __init__(
@@ -109,6 +85,7 @@ class MultiHeadMoE(nn.Module):
         backend: str = "auto",
         partition: HeadPartition | None = None,
         input_mode: str = "sequence",
+        fused_router: bool | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(config, MultiHeadMoEConfig):
@@ -119,9 +96,14 @@ class MultiHeadMoE(nn.Module):
         if input_mode not in INPUT_MODES:
             raise ValueError(f"MultiHeadMoE: input_mode must be one of {INPUT_MODES}, got "
                              f"{input_mode!r}")
+        if fused_router not in (None, True, False):
+            raise ValueError(f"MultiHeadMoE: fused_router must be None, True or False, got "
+                             f"{fused_router!r}")
         self.config = config
         self.group = group
         self.backend = backend
+        # route_tokens' `fused`: None = the fused logits + route kernel where it applies.
+        self.fused_router = fused_router
         self.input_mode = input_mode
         if partition is None:
             partition = HeadPartition.of_group(config.num_heads, group)
@@ -183,16 +165,21 @@ class MultiHeadMoE(nn.Module):
         return self.router.expert_bias
 
     def route_heads(self, x_heads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Routing of local heads. x_heads: [S, local_heads, D] -> probs, indices [Hl, S, K]."""
+        """Routing of local heads. x_heads: [S, local_heads, D] -> probs, indices [Hl, S, K].
+
+        Logits and routing run as one Triton kernel where `routing.route_tokens`
+        allows it (the triton path with bf16 x; see `fused_router`), else as an
+        fp32 GEMM followed by `route`.
+        """
         cfg = self.config
         Hl = self.partition.local_heads
         gate = self.gate.view(Hl, cfg.num_experts, cfg.head_dim)
-        logits = _RouterLogits.apply(x_heads, gate)
-        return route(logits, cfg.top_k, cfg.score_func,
-                     expert_bias=self.selection_bias().view(Hl, cfg.num_experts),
-                     route_norm=cfg.route_norm, norm_eps=cfg.norm_eps,
-                     route_scale=cfg.route_scale, num_groups=cfg.num_groups,
-                     topk_groups=cfg.topk_groups, backend=self.backend)
+        return route_tokens(x_heads, gate, cfg.top_k, cfg.score_func,
+                            expert_bias=self.selection_bias().view(Hl, cfg.num_experts),
+                            route_norm=cfg.route_norm, norm_eps=cfg.norm_eps,
+                            route_scale=cfg.route_scale, num_groups=cfg.num_groups,
+                            topk_groups=cfg.topk_groups, backend=self.backend,
+                            fused=self.fused_router)
 
     def forward_heads(self, x_heads: torch.Tensor) -> torch.Tensor:
         """The layer on this rank's heads. x_heads: [S, local_heads, D] -> same."""

@@ -3,6 +3,7 @@
 Routing produces metadata that the expert kernels only consume:
 
     probs, indices = route(logits, top_k)            # [H, S, K] each
+    probs, indices = route_tokens(x_heads, gate, top_k)   # the logits too (fused on GPU)
     layout = sort_routes(probs, indices, E)          # a RouteLayout
 
 Worked example, H=1, S=3, E=2, K=1, indices [[[1], [0], [1]]]:
@@ -19,7 +20,12 @@ import torch
 
 from .backends import resolve_backend
 from .config import SCORE_FUNCS, check_groups
-from .reference import route_probs_backward, route_reference, sort_routes_reference
+from .reference import (
+    exact_precision,
+    route_probs_backward,
+    route_reference,
+    sort_routes_reference,
+)
 
 
 class RouteLayout(NamedTuple):
@@ -72,26 +78,155 @@ def route(
     if not logits.dtype.is_floating_point:
         raise ValueError(f"route: logits must be floating point, got {logits.dtype}")
     H, _, E = logits.shape
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= E:
-        raise ValueError(f"route: top_k must be an int in [1, E={E}], got {top_k!r}")
-    if score_func not in SCORE_FUNCS:
-        raise ValueError(f"route: score_func must be one of {SCORE_FUNCS}, got {score_func!r}")
-    if expert_bias is not None:
-        if expert_bias.numel() != H * E or expert_bias.dim() not in (1, 2) or (
-                expert_bias.dim() == 2 and tuple(expert_bias.shape) != (H, E)):
-            raise ValueError(f"route: expert_bias must have shape [{H}, {E}] or [{H * E}], got "
-                             f"{tuple(expert_bias.shape)}")
-        if expert_bias.device != logits.device:
-            raise ValueError(f"route: expert_bias is on {expert_bias.device}, logits on "
-                             f"{logits.device}")
-    if not norm_eps > 0:
-        raise ValueError(f"route: norm_eps must be > 0, got {norm_eps!r}")
-    check_groups(E, num_groups, topk_groups, prefix="route: ")
+    _check_route_args("route", H, E, logits.device, top_k, score_func, expert_bias, norm_eps,
+                      num_groups, topk_groups)
     if _path(backend, logits, "route", "logits") == "triton":
         return _route_triton_op(logits, top_k, score_func, expert_bias, route_norm,
                                 float(norm_eps), float(route_scale), num_groups, topk_groups)
     return route_reference(logits, top_k, score_func, expert_bias, route_norm, norm_eps,
                            route_scale, num_groups, topk_groups)
+
+
+def route_tokens(
+    x_heads: torch.Tensor,
+    gate: torch.Tensor,
+    top_k: int,
+    score_func: str = "sigmoid",
+    expert_bias: torch.Tensor | None = None,
+    route_norm: bool = True,
+    norm_eps: float = 1e-12,
+    route_scale: float = 1.0,
+    num_groups: int = 1,
+    topk_groups: int = 1,
+    *,
+    backend: str = "auto",
+    fused: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits of every (token, head), then `route` (SPEC section 2, steps 1-6).
+
+    x_heads: [S, H, D] float; gate: [H, E, D], the router weight (float32;
+    float64 in a float64 layer); logits[h, s, e] = x_heads[s, h] . gate[h, e]
+    computed in gate's precision (x upcast), then routed as `route` does.
+    returns probs [H, S, K] float32 (float64 for a float64 gate), indices
+            [H, S, K] int64; differentiable in x_heads and gate through probs.
+
+    fused: None (default) runs one Triton kernel for logits and routing
+    (`kernels.routing.triton_logits_route`) wherever it applies: the triton
+    path (CUDA, or the interpreter with backend="triton"), x_heads bfloat16, gate
+    float32, E a power of two in [16, 256], D a multiple of 16; anything else
+    takes the unfused path, an fp32 GEMM (cuBLAS on CUDA) then `route`, which
+    is also what the fused kernel is checked against. True: the fused kernel or
+    a ValueError saying why it cannot run; False: always unfused.
+
+    The fused kernel computes the fp32 logits on tensor cores from an exact
+    split of gate into three bf16 parts (products with bf16 x exact, fp32
+    accumulation; see `_logits_route_kernel`): the same fp32 dot products as
+    the GEMM up to the accumulation order, so indices agree with the unfused
+    path except where two selection scores lie within ~1e-6 (relative) of each
+    other, and probabilities agree to ~1e-6 relative. It writes the fp32 logits
+    [H, S, E] beside probs and indices when the backward needs them (grad mode
+    on and x_heads or gate requiring grad; the backward is the unfused path's),
+    or when its tile configuration gathers the picked logits from memory (the
+    Hopper default); no host synchronisation either way.
+    """
+    if not isinstance(x_heads, torch.Tensor) or x_heads.dim() != 3 or \
+            not isinstance(gate, torch.Tensor) or gate.dim() != 3:
+        raise ValueError(f"route_tokens: x_heads must be [S, H, D] and gate [H, E, D] tensors, "
+                         f"got shapes {tuple(getattr(x_heads, 'shape', ()))} and "
+                         f"{tuple(getattr(gate, 'shape', ()))}")
+    _, H, D = x_heads.shape
+    if gate.shape[0] != H or gate.shape[2] != D:
+        raise ValueError(f"route_tokens: gate {tuple(gate.shape)} must be [H={H}, E, D={D}] for "
+                         f"x_heads {tuple(x_heads.shape)}")
+    if not x_heads.dtype.is_floating_point or not gate.dtype.is_floating_point:
+        raise ValueError(f"route_tokens: x_heads and gate must be floating point, got "
+                         f"{x_heads.dtype} and {gate.dtype}")
+    if gate.device != x_heads.device:
+        raise ValueError(f"route_tokens: gate is on {gate.device}, x_heads on {x_heads.device}")
+    E = gate.shape[1]
+    _check_route_args("route_tokens", H, E, x_heads.device, top_k, score_func, expert_bias,
+                      norm_eps, num_groups, topk_groups)
+    if fused not in (None, True, False):
+        raise ValueError(f"route_tokens: fused must be None, True or False, got {fused!r}")
+    if fused is not False:
+        reason = _fused_unsupported(backend, x_heads, gate)
+        if reason is None:
+            save_logits = torch.is_grad_enabled() and (x_heads.requires_grad or
+                                                       gate.requires_grad)
+            probs, indices, _ = _logits_route_triton_op(
+                x_heads, gate, top_k, score_func, expert_bias, route_norm, float(norm_eps),
+                float(route_scale), num_groups, topk_groups, save_logits)
+            return probs, indices
+        if fused:
+            raise ValueError(f"route_tokens: fused=True, but the fused kernel cannot run here: "
+                             f"{reason}")
+    logits = RouterLogits.apply(x_heads, gate)
+    return route(logits, top_k, score_func, expert_bias, route_norm, norm_eps, route_scale,
+                 num_groups, topk_groups, backend=backend)
+
+
+def _fused_unsupported(backend: str, x_heads: torch.Tensor, gate: torch.Tensor) -> str | None:
+    """Why `route_tokens` cannot take the fused kernel, or None if it can."""
+    path = resolve_backend(backend, x_heads.device, op="route_tokens")
+    if path != "triton":
+        return f"backend {backend!r} takes the PyTorch path on {x_heads.device}"
+    from .kernels.routing import fused_unsupported
+
+    return fused_unsupported(x_heads, gate)
+
+
+def _check_route_args(op: str, H: int, E: int, device: torch.device, top_k, score_func,
+                      expert_bias, norm_eps, num_groups, topk_groups) -> None:
+    """The checks `route` and `route_tokens` share; ValueError naming `op`."""
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= E:
+        raise ValueError(f"{op}: top_k must be an int in [1, E={E}], got {top_k!r}")
+    if score_func not in SCORE_FUNCS:
+        raise ValueError(f"{op}: score_func must be one of {SCORE_FUNCS}, got {score_func!r}")
+    if expert_bias is not None:
+        if expert_bias.numel() != H * E or expert_bias.dim() not in (1, 2) or (
+                expert_bias.dim() == 2 and tuple(expert_bias.shape) != (H, E)):
+            raise ValueError(f"{op}: expert_bias must have shape [{H}, {E}] or [{H * E}], got "
+                             f"{tuple(expert_bias.shape)}")
+        if expert_bias.device != device:
+            raise ValueError(f"{op}: expert_bias is on {expert_bias.device}, the inputs on "
+                             f"{device}")
+    if not norm_eps > 0:
+        raise ValueError(f"{op}: norm_eps must be > 0, got {norm_eps!r}")
+    check_groups(E, num_groups, topk_groups, prefix=f"{op}: ")
+
+
+class RouterLogits(torch.autograd.Function):
+    """logits[h, s, e] = x[s, h] . gate[h, e] in the router's dtype (float32).
+
+    Autograd of the plain `bmm(x.float(), gate^T)` would save the float32 copy
+    of x (12 KB per token for MAGI-2); this saves x as it is (the expert op
+    keeps it anyway) and upcasts again in the backward.
+    x_heads: [S, H, D]; gate: [H, E, D] -> logits [H, S, E]
+    """
+
+    @staticmethod
+    @exact_precision
+    def forward(ctx, x_heads, gate):
+        ctx.save_for_backward(x_heads, gate)
+        return torch.bmm(x_heads.transpose(0, 1).to(gate.dtype), gate.transpose(1, 2))
+
+    @staticmethod
+    def backward(ctx, grad):
+        x_heads, gate = ctx.saved_tensors
+        return _router_logits_backward(grad, x_heads, gate, *ctx.needs_input_grad[:2])
+
+
+@exact_precision
+def _router_logits_backward(grad, x_heads, gate, need_x: bool, need_gate: bool):
+    """d x_heads [S, H, D] (x's dtype) and d gate [H, E, D] of logits = x . gate^T
+    per head, from d logits [H, S, E]; None where not needed."""
+    grad = grad.to(gate.dtype)
+    grad_x = grad_gate = None
+    if need_x:
+        grad_x = torch.bmm(grad, gate).transpose(0, 1).to(x_heads.dtype)
+    if need_gate:
+        grad_gate = torch.bmm(grad.transpose(1, 2), x_heads.transpose(0, 1).to(gate.dtype))
+    return grad_x, grad_gate
 
 
 def sort_routes(probs: torch.Tensor, indices: torch.Tensor, num_experts: int, *,
@@ -176,6 +311,58 @@ def _route_backward(ctx, grad_probs, grad_indices):
 
 
 _route_triton_op.register_autograd(_route_backward, setup_context=_route_setup_context)
+
+
+@torch.library.custom_op("mhmoe::logits_route_triton", mutates_args=())
+def _logits_route_triton_op(x_heads: torch.Tensor, gate: torch.Tensor, top_k: int,
+                            score_func: str, expert_bias: torch.Tensor | None, route_norm: bool,
+                            norm_eps: float, route_scale: float, num_groups: int,
+                            topk_groups: int, save_logits: bool
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(probs, indices, logits): logits [H, S, E] fp32 if save_logits (what the
+    backward needs), else an empty [0] tensor."""
+    from .kernels.routing import triton_logits_route
+
+    probs, indices, logits = triton_logits_route(
+        x_heads, gate, top_k, score_func, expert_bias, route_norm, norm_eps, route_scale,
+        num_groups, topk_groups, return_logits=save_logits)
+    if logits is None:
+        logits = probs.new_empty(0)
+    return probs, indices, logits
+
+
+@_logits_route_triton_op.register_fake
+def _logits_route_triton_fake(x_heads, gate, top_k, score_func, expert_bias, route_norm,
+                              norm_eps, route_scale, num_groups, topk_groups, save_logits):
+    S, H, _ = x_heads.shape
+    E = gate.shape[1]
+    return (x_heads.new_empty((H, S, top_k), dtype=torch.float32),
+            x_heads.new_empty((H, S, top_k), dtype=torch.int64),
+            x_heads.new_empty((H, S, E) if save_logits else (0,), dtype=torch.float32))
+
+
+def _logits_route_setup_context(ctx, inputs, output):
+    x_heads, gate, _, score_func, _, route_norm, norm_eps, route_scale, _, _, save_logits = inputs
+    ctx.save_for_backward(x_heads, gate, output[2], output[1])
+    ctx.options = (score_func, route_norm, norm_eps, route_scale)
+    ctx.saved_logits = save_logits
+
+
+def _logits_route_backward(ctx, grad_probs, grad_indices, grad_logits):
+    x_heads, gate, logits, indices = ctx.saved_tensors
+    if not ctx.saved_logits:
+        raise RuntimeError("mhmoe::logits_route_triton: backward of a call made with "
+                           "save_logits=False (route_tokens sets it when a gradient is needed)")
+    grad = logits.new_zeros(logits.shape) if grad_probs is None else \
+        route_probs_backward(logits, indices, grad_probs, *ctx.options)
+    if grad_logits is not None:
+        grad = grad + grad_logits
+    grad_x, grad_gate = _router_logits_backward(grad, x_heads, gate, *ctx.needs_input_grad[:2])
+    return grad_x, grad_gate, None, None, None, None, None, None, None, None, None
+
+
+_logits_route_triton_op.register_autograd(_logits_route_backward,
+                                          setup_context=_logits_route_setup_context)
 
 
 @torch.library.custom_op("mhmoe::sort_routes_triton", mutates_args=())

@@ -1,8 +1,11 @@
 """Routing and route-layout kernels (SPEC sections 2 and 3) for CUDA tensors.
 
-Two launchers, each the Triton twin of a function of `mhmoe.reference`:
+Three launchers, each the Triton twin of a function of `mhmoe.reference` (or
+of two in a row):
 
     probs, indices = triton_route(logits, top_k, ...)           # route_reference
+    probs, indices, _ = triton_logits_route(x_heads, gate, top_k, ...)
+                                     # route_reference(fp32 logits of x_heads and gate)
     gather_ids, sorted_probs, offsets = triton_sort_routes(probs, indices, E)
                                                                  # sort_routes_reference
 
@@ -13,14 +16,22 @@ attaining it, mark it taken". Lowest id among equal maxima is exactly the
 tie order of the reference's stable descending sort. A taken expert is
 marked with NaN: the maximum ignores NaN, and `ms == max` is false for NaN,
 so taken experts drop out of both steps, while a real -inf (a NaN score is
-selected as -inf) still ties with other -inf experts in ascending id.
+selected as -inf) still ties with other -inf experts in ascending id. The
+probabilities are then recomputed from the picked logits (one gather).
+
+Fused logits + route. `triton_logits_route` computes the [BLOCK_S, E] logits
+tile of BLOCK_S tokens on tensor cores (the fp32 router weight split exactly
+into three bf16 parts, see `_logits_route_kernel`) and routes it in registers
+with the same code (`_route_rows`): no fp32 GEMM on CUDA cores, and the
+logits reach memory only when wanted (the backward, or the gather).
 
 Layout (a stable counting sort, no host synchronisation, no atomics):
 
 1. count: per (head, block of BLOCK_T tokens), the routes of each expert
    (hist [H, NB, E], a histogram) and each route's rank among the earlier
-   routes of the same expert inside the block (rank [H, S, K], pairwise
-   comparisons of the block's 64 route slots);
+   routes of the same expert inside the block (rank [H, S, K]: pairwise
+   comparisons within sub-blocks of 64 route slots, plus a running histogram
+   of the block's earlier sub-blocks);
 2. scan: per (head, expert), an exclusive prefix over the blocks (base
    [H, NB, E]) and the total (totals [H, E]);
 3. offsets: per head, an exclusive prefix of the totals over experts, plus
@@ -36,17 +47,24 @@ is `1 / (1 + exp(-x))` with libdevice's expf (what CUDA's `std::exp` calls)
 and a correctly rounded division, as torch's kernel computes; softmax uses
 the same exp and division, but sums in a different order than torch, so its
 probabilities differ in the last bits. Under TRITON_INTERPRET=1 numpy's exp
-replaces libdevice (unavailable there).
+replaces libdevice (unavailable there). The fused kernel's logits are fp32
+dot products like cuBLAS's, accumulated in another order: its routes equal
+those of the unfused path except where selection scores are within ~1e-6
+(relative) of each other, its probabilities agree to ~1e-6 relative.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from .configs import check_tiles
 
 
 def _interpreting() -> bool:
@@ -116,10 +134,10 @@ def _keep_best_groups(sel, col, E, group_size,
 
 
 @triton.jit
-def _take_best(ms, row_base, row_ok, row_max, row_den, total, p_tile, i_tile, k,
-               stride_le, E: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-               SOFTMAX: tl.constexpr, INTERPRET: tl.constexpr):
-    """One top-k round: the best untaken expert of every row, its probability."""
+def _take_best(ms, x, x_sel, i_tile, k, E: tl.constexpr, BLOCK_E: tl.constexpr,
+               BLOCK_K: tl.constexpr, FROM_TILE: tl.constexpr, INTERPRET: tl.constexpr):
+    """One top-k round: the best untaken expert of every row goes to column k of
+    i_tile (and, FROM_TILE, its logit to column k of x_sel)."""
     col = tl.arange(0, BLOCK_E)
     kcol = tl.arange(0, BLOCK_K)
     m = tl.max(_nan_to_neg_inf(ms, INTERPRET), 1)
@@ -127,15 +145,14 @@ def _take_best(ms, row_base, row_ok, row_max, row_den, total, p_tile, i_tile, k,
     # Unreachable (an untaken expert always remains since K <= E), but an index
     # must never leave [0, E), whatever the data.
     idx = tl.minimum(idx, E - 1)
-    ms = tl.where(col[None, :] == idx[:, None], float("nan"), ms)
-    # The probability is gathered from the unbiased score: recompute it from the
-    # logit (an L1-cached load) rather than a masked sum over the tile.
-    x_k = tl.load(row_base + idx * stride_le, mask=row_ok, other=0.0)
-    p = _score(x_k, row_max, row_den, SOFTMAX, INTERPRET)
-    total = total + p  # left to right in selection order, as the reference sums
-    p_tile = tl.where(kcol[None, :] == k, p[:, None], p_tile)
+    picked = col[None, :] == idx[:, None]
+    ms = tl.where(picked, float("nan"), ms)
+    if FROM_TILE:
+        # A masked sum over the logits tile: exact (one term and zeros).
+        x_k = tl.sum(tl.where(picked, x, 0.0), 1)
+        x_sel = tl.where(kcol[None, :] == k, x_k[:, None], x_sel)
     i_tile = tl.where(kcol[None, :] == k, idx[:, None], i_tile)
-    return ms, total, p_tile, i_tile
+    return ms, x_sel, i_tile
 
 
 @triton.jit
@@ -159,9 +176,14 @@ def _route_rows(
     E: tl.constexpr, TOP_K: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr,
     ROUTE_NORM: tl.constexpr, NUM_GROUPS: tl.constexpr, TOPK_GROUPS: tl.constexpr,
     BLOCK_ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_G: tl.constexpr, INTERPRET: tl.constexpr,
+    BLOCK_G: tl.constexpr, FROM_TILE: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """Scores, selection and probabilities of one [BLOCK_ROWS, BLOCK_E] logits tile."""
+    """Scores, selection and probabilities of one [BLOCK_ROWS, BLOCK_E] logits tile.
+
+    The probability of a picked expert is the score of its logit, read back from
+    `row_base + e * stride_le` (the logits in memory), or with FROM_TILE from the
+    tile x itself, which then stays live in registers through the top-k rounds.
+    """
     row_ok = rows < S
     col = tl.arange(0, BLOCK_E)
     col_ok = col < E
@@ -188,20 +210,32 @@ def _route_rows(
     # NaN marks "not selectable": padding columns now, taken experts later.
     ms = tl.where(col_ok[None, :], sel, float("nan"))
 
-    total = tl.zeros([BLOCK_ROWS], tl.float32)
-    p_tile = tl.zeros([BLOCK_ROWS, BLOCK_K], tl.float32)
+    x_sel = tl.zeros([BLOCK_ROWS, BLOCK_K], tl.float32)
     i_tile = tl.zeros([BLOCK_ROWS, BLOCK_K], tl.int32)
     if TOP_K <= 16:
         # Unrolled: the tile updates become compile-time selects.
         for k in tl.static_range(TOP_K):
-            ms, total, p_tile, i_tile = _take_best(
-                ms, row_base, row_ok, row_max, row_den, total, p_tile, i_tile, k, stride_le,
-                E, BLOCK_E, BLOCK_K, SOFTMAX, INTERPRET)
+            ms, x_sel, i_tile = _take_best(ms, x, x_sel, i_tile, k, E, BLOCK_E, BLOCK_K,
+                                           FROM_TILE, INTERPRET)
     else:
         for k in range(TOP_K):
-            ms, total, p_tile, i_tile = _take_best(
-                ms, row_base, row_ok, row_max, row_den, total, p_tile, i_tile, k, stride_le,
-                E, BLOCK_E, BLOCK_K, SOFTMAX, INTERPRET)
+            ms, x_sel, i_tile = _take_best(ms, x, x_sel, i_tile, k, E, BLOCK_E, BLOCK_K,
+                                           FROM_TILE, INTERPRET)
+
+    # The probabilities come from the unbiased scores: recompute them from the
+    # picked logits, gathered once for all K (L1/L2-cached loads) unless FROM_TILE.
+    out_ok = row_ok[:, None] & (kcol < TOP_K)[None, :]
+    if not FROM_TILE:
+        x_sel = tl.load(row_base[:, None] + i_tile * stride_le, mask=out_ok, other=0.0)
+    p_tile = _score(x_sel, row_max[:, None], row_den[:, None], SOFTMAX, INTERPRET)
+    # Left to right in selection order, as the reference sums (column k alone: exact).
+    total = tl.zeros([BLOCK_ROWS], tl.float32)
+    if TOP_K <= 16:
+        for k in tl.static_range(TOP_K):
+            total = total + tl.sum(tl.where(kcol[None, :] == k, p_tile, 0.0), 1)
+    else:
+        for k in range(TOP_K):
+            total = total + tl.sum(tl.where(kcol[None, :] == k, p_tile, 0.0), 1)
 
     if ROUTE_NORM:
         # clamp_min that keeps NaN (tl.maximum would turn a NaN total into eps).
@@ -210,7 +244,6 @@ def _route_rows(
     p_tile = p_tile * route_scale
 
     out_off = (h.to(tl.int64) * S + rows.to(tl.int64))[:, None] * TOP_K + kcol[None, :]
-    out_ok = row_ok[:, None] & (kcol < TOP_K)[None, :]
     tl.store(probs_ptr + out_off, p_tile, mask=out_ok)
     tl.store(indices_ptr + out_off, i_tile.to(tl.int64), mask=out_ok)
 
@@ -264,10 +297,141 @@ def _route_kernel(
         _route_rows(x, rows, row_base, h, bias_ptr, probs_ptr, indices_ptr,
                     S, group_size, norm_eps, route_scale, stride_le,
                     E, TOP_K, SOFTMAX, HAS_BIAS, ROUTE_NORM, NUM_GROUPS, TOPK_GROUPS,
-                    BLOCK_ROWS, BLOCK_E, BLOCK_K, BLOCK_G, INTERPRET)
+                    BLOCK_ROWS, BLOCK_E, BLOCK_K, BLOCK_G, False, INTERPRET)
         x = x_next
         rows = next_rows
         row_base = next_base
+
+
+@triton.jit
+def _truncate_to_bf16(v):
+    """v with the low 16 bits of its fp32 encoding cleared: the top 8 significant
+    bits, exactly representable in bfloat16 (rounded toward zero)."""
+    return (v.to(tl.int32, bitcast=True) & -65536).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _split_weight_kernel(w_ptr, parts_ptr, N, BLOCK: tl.constexpr):
+    """parts[0] + parts[1] + parts[2] == w exactly, each part bfloat16.
+
+    Launch grid: (cdiv(N, BLOCK),); program i owns elements [i * BLOCK, (i + 1) * BLOCK)
+    of w [N] fp32 and writes them to parts [3, N] bf16. A finite fp32 w has a
+    24-bit significand; w1 keeps its top 8 bits (truncation: never rounds up to
+    inf), the residual w - w1 is exact (Sterbenz: same sign and binade) and has
+    at most 16 significant bits, w2 keeps its top 8, and w3 = the rest has at
+    most 8, so every step is exact and every part converts to bf16 exactly
+    (whatever rounding the conversion uses). Exact as long as the residuals stay
+    in fp32's normal range (|w| >= 2^-110); below, they lose bits under 2^-133.
+    Non-finite w: w1 = w, w2 = w3 = 0, so inf and NaN weights give the logits
+    x * w would give. (An infinite x gives NaN where a part is 0, inf * 0, where
+    fp32 gives +-inf: that row's logits are not finite either way.)
+    """
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < N
+    w = tl.load(w_ptr + offs, mask=ok, other=0.0)
+    finite = tl.abs(w) < float("inf")  # false for NaN too
+    w1 = tl.where(finite, _truncate_to_bf16(w), w)
+    r = tl.where(finite, w - w1, 0.0)
+    w2 = _truncate_to_bf16(r)
+    w3 = r - w2
+    tl.store(parts_ptr + offs, w1.to(tl.bfloat16), mask=ok)
+    tl.store(parts_ptr + N + offs, w2.to(tl.bfloat16), mask=ok)
+    tl.store(parts_ptr + 2 * N + offs, w3.to(tl.bfloat16), mask=ok)
+
+
+@triton.jit
+def _dot_exact(x, w, acc, INTERPRET: tl.constexpr):
+    """acc + x @ w for bf16 x and w: products exact in fp32, fp32 accumulation.
+
+    On the GPU a bf16 tensor-core dot (wgmma / mma with fp32 accumulators). The
+    interpreter's bf16 arithmetic is wrong: there both go up to fp32 first, and
+    an fp32 "ieee" dot gives the same exact products.
+    """
+    if INTERPRET:
+        return tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(x, w, acc)
+
+
+@triton.jit
+def _logits_route_kernel(
+    x_desc,  # x_heads [S, H, D] bf16: a tensor descriptor, blocks [BLOCK_S, 1, BLOCK_D]
+    w_desc,  # router weight parts [3 * H * E, D] bf16 (w1, w2, w3): blocks [E, BLOCK_D]
+    logits_ptr,  # output [H, S, E] fp32 contiguous (written if WRITE_LOGITS)
+    bias_ptr,  # [H, E] fp32 contiguous (unused unless HAS_BIAS)
+    probs_ptr, indices_ptr,  # outputs [H, S, K] fp32, int64, contiguous
+    S, H, group_size, norm_eps, route_scale,
+    E: tl.constexpr, D: tl.constexpr, TOP_K: tl.constexpr, SOFTMAX: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ROUTE_NORM: tl.constexpr, NUM_GROUPS: tl.constexpr,
+    TOPK_GROUPS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr, WRITE_LOGITS: tl.constexpr,
+    FROM_TILE: tl.constexpr, INTERPRET: tl.constexpr, ROUTE: tl.constexpr = True,
+):
+    """Router logits and top-k routing of BLOCK_S tokens of one head, in one pass.
+
+    ROUTE=False: the logits alone (written; probs, indices untouched), for
+    `_route_kernel` to route afterwards (LogitsRouteConfig.split).
+
+    Launch grid: (cdiv(S, BLOCK_S), H). Program (b, h) owns tokens
+    [b * BLOCK_S, (b + 1) * BLOCK_S) of head h: it computes their [BLOCK_S, E]
+    logits tile logits[s, e] = sum_d x[s, h, d] * w[h*E + e, d] on tensor cores,
+    keeps it in registers, and routes it with the same code as `_route_kernel`
+    (`_route_rows`), writing probs and indices ([BLOCK_S, K] each) and, with
+    WRITE_LOGITS, the fp32 logits tile (for the backward, and to gather the
+    picked logits from unless FROM_TILE). Bulk (TMA) copies bring the x and
+    weight slices: no per-element addresses in registers, and rows past S read
+    as zeros (logits 0, no NaN arithmetic, nothing stored for them).
+
+    Precision (SPEC section 2, "computed in fp32, x upcast to fp32"): the fp32
+    weight is split exactly into three bf16 parts (`_split_weight_kernel`), so
+    w = w1 + w2 + w3 with no rounding; x is bf16, so every product x * w_i is
+    exact in fp32 (8 x 8 significant bits), and the logit is an fp32 sum of the
+    exact products x_d * w_d, each split into three terms. That is the fp32 dot
+    product of the upcast x and w: only the order of the fp32 accumulation (and
+    the tensor cores' rounding of its additions, which truncate) differs from
+    cuBLAS's fp32 GEMM. So the logits are not bitwise cuBLAS's, but neither are
+    cuBLAS's own across GPUs and library versions (its kernel, hence its
+    summation order, is chosen per shape). The small parts go first (all of
+    x @ w3 and x @ w2 over D, then x @ w1): their rounding errors are at 2^-8 of
+    the logits' scale, so the result carries the rounding of one fp32 pass over
+    D, as a plain fp32 dot product does (the interpreter: within D * 2^-24 *
+    sum |x w| of the exact value, checked by the tests). What issue 4 asks, and
+    the tests and benchmarks/bench_routing.py check against `route_reference`
+    on torch's fp32 logits and on float64 logits: the same indices wherever the
+    selection scores of adjacent picks (top K + 1) differ by more than 1e-6
+    relative, probabilities within 1e-6 relative (for softmax, and the smallest
+    sigmoid probabilities of K = E rows, within twice torch's own fp32 error).
+
+    E is a power of two (the tile has no padding columns); BLOCK_D divides D.
+    """
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s0 = b * BLOCK_S
+    acc = tl.zeros([BLOCK_S, E], dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        xt = x_desc.load([s0, h, d0]).reshape(BLOCK_S, BLOCK_D)
+        acc = _dot_exact(xt, w_desc.load([(2 * H + h) * E, d0]).T, acc, INTERPRET)
+        acc = _dot_exact(xt, w_desc.load([(H + h) * E, d0]).T, acc, INTERPRET)
+    for d0 in range(0, D, BLOCK_D):
+        xt = x_desc.load([s0, h, d0]).reshape(BLOCK_S, BLOCK_D)
+        acc = _dot_exact(xt, w_desc.load([h * E, d0]).T, acc, INTERPRET)
+
+    rows = s0 + tl.arange(0, BLOCK_S)
+    row_ok = rows < S
+    # int64: H * S * E passes 2**31 at long sequences.
+    row_base = logits_ptr + (h.to(tl.int64) * S + rows.to(tl.int64)) * E
+    if not ROUTE:
+        tl.store(row_base[:, None] + tl.arange(0, E)[None, :], acc, mask=row_ok[:, None])
+        return
+    if WRITE_LOGITS:
+        tl.store(row_base[:, None] + tl.arange(0, E)[None, :], acc, mask=row_ok[:, None])
+        if not FROM_TILE:
+            # The gathers of `_take_best` read logits that other threads wrote.
+            tl.debug_barrier()
+    _route_rows(acc, rows, row_base, h, bias_ptr, probs_ptr, indices_ptr,
+                S, group_size, norm_eps, route_scale, 1,
+                E, TOP_K, SOFTMAX, HAS_BIAS, ROUTE_NORM, NUM_GROUPS, TOPK_GROUPS,
+                BLOCK_S, E, BLOCK_K, BLOCK_G, FROM_TILE, INTERPRET)
 
 
 @triton.jit
@@ -275,33 +439,45 @@ def _layout_count_kernel(
     indices_ptr,  # [H, S, K] int, contiguous
     hist_ptr, rank_ptr,  # outputs [H, NB, E] int32, [H, S, K] int32
     S, NB,
-    E: tl.constexpr, TOP_K: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+    E: tl.constexpr, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, SUB_T: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
     """Layout step 1: per-block expert counts and in-block ranks.
 
     Launch grid: (NB, H), NB = cdiv(S, BLOCK_T). Program (b, h) owns the
-    BLOCK_T * K routes of tokens [b * BLOCK_T, (b + 1) * BLOCK_T) of head h.
-    rank of route (s, k) = earlier routes of the block, in (s, k) order, with
-    the same expert (the reference's stable order). Out-of-range expert ids
-    are not counted (their routes are left out of the layout).
+    BLOCK_T * K routes of tokens [b * BLOCK_T, (b + 1) * BLOCK_T) of head h,
+    walked SUB_T tokens at a time. rank of route (s, k) = earlier routes of the
+    block, in (s, k) order, with the same expert (the reference's stable
+    order): those of its sub-block by pairwise comparison (SUB_T * BLOCK_K
+    slots, squared), plus those of the earlier sub-blocks, read from a running
+    histogram. Large blocks keep the [H, NB, E] counts (written here, read and
+    rewritten by the scan) small; small sub-blocks keep the pairwise work small.
+    Out-of-range expert ids are not counted (their routes are left out of the
+    layout).
     """
     b = tl.program_id(0)
     h = tl.program_id(1)
-    R: tl.constexpr = BLOCK_T * BLOCK_K
+    R: tl.constexpr = SUB_T * BLOCK_K
     r = tl.arange(0, R)
-    t = b * BLOCK_T + r // BLOCK_K
-    k = r % BLOCK_K
-    ok = (t < S) & (k < TOP_K)
-    route = (h.to(tl.int64) * S + t.to(tl.int64)) * TOP_K + k
-    e = tl.load(indices_ptr + route, mask=ok, other=-1)
-    # Range check before narrowing: a huge int64 must not wrap into [0, E).
-    ok = ok & (e >= 0) & (e < E)
-    e = tl.where(ok, e, 0).to(tl.int32)
     col = tl.arange(0, BLOCK_E)
-    tl.store(hist_ptr + (h * NB + b).to(tl.int64) * E + col,
-             tl.histogram(e, BLOCK_E, mask=ok), mask=col < E)
-    tl.store(rank_ptr + route, _block_ranks(e, ok, R), mask=ok)
+    running = tl.zeros([BLOCK_E], tl.int32)
+    # A loop, not unrolled: one sub-block's registers (64 for 64 slots, against 222
+    # unrolled on sm_90), so many programs share an SM and hide each other's load latency.
+    for t0 in range(0, BLOCK_T, SUB_T):
+        t = b * BLOCK_T + t0 + r // BLOCK_K
+        k = r % BLOCK_K
+        ok = (t < S) & (k < TOP_K)
+        route = (h.to(tl.int64) * S + t.to(tl.int64)) * TOP_K + k
+        e = tl.load(indices_ptr + route, mask=ok, other=-1)
+        # Range check before narrowing: a huge int64 must not wrap into [0, E).
+        ok = ok & (e >= 0) & (e < E)
+        e = tl.where(ok, e, 0).to(tl.int32)
+        rank = _block_ranks(e, ok, R)
+        if BLOCK_T > SUB_T:  # plus the routes of the block's earlier sub-blocks
+            rank += tl.gather(running, e, 0)
+        tl.store(rank_ptr + route, rank, mask=ok)
+        running += tl.histogram(e, BLOCK_E, mask=ok)
+    tl.store(hist_ptr + (h * NB + b).to(tl.int64) * E + col, running, mask=col < E)
 
 
 @triton.jit
@@ -474,12 +650,199 @@ def triton_route(
     return probs, indices
 
 
+# Tiles of the fused logits + route kernel, per architecture, as data.
+
+
+@dataclass(frozen=True)
+class LogitsRouteConfig:
+    """Tiles of `_logits_route_kernel`.
+
+    block_s:    tokens one program owns; its [block_s, E] fp32 logits tile lives
+                in registers (block_s * E * 4 bytes over 32 * num_warps threads).
+    block_d:    the K step of each tl.dot (a power of two >= 16; the launcher
+                lowers it to the largest power of two dividing D).
+    num_warps:  warps per program (4 = one Hopper warpgroup, which owns 64 rows).
+    num_stages: software-pipelining depth of the x and weight slice loads.
+    from_tile:  gather each picked expert's logit from the register tile (a masked
+                sum per top-k round; the logits tile stays live beside the
+                selection tile: two tiles of registers) rather than re-reading
+                it from the logits written to memory (then always written:
+                block_s * E * 4 bytes of stores a program, one tile of registers).
+    split:      two launches: the kernel computes and writes the logits only
+                (ROUTE=False), then `_route_kernel` routes them (its own tiles):
+                each part runs at its own occupancy, for 4 bytes per score
+                written and read again. from_tile is then unused.
+    """
+
+    block_s: int
+    block_d: int
+    num_warps: int
+    num_stages: int
+    from_tile: bool
+    split: bool = False
+
+    def __post_init__(self) -> None:
+        check_tiles(self, ("block_s", "block_d"))
+
+
+# Hopper (sm_90). Compile-only numbers for E = D = 256, K = 6 (ptxas -v, sm_90a; NOTES.md):
+# 64 tokens, one warpgroup (m64n256 wgmma, each thread 2 rows x 64 columns of the tile: row
+# reductions are in-thread plus two shuffles), picked logits read back from memory: 255
+# registers (292 B spilled around the tile store), 104 KB shared memory with 3 stages, so
+# two programs fit an SM and one's tensor-core phase can overlap the other's routing. The
+# alternatives the benchmark sweeps: 128 tokens on two warpgroups (half the weight reads
+# from L2 per token, but one program an SM), and from_tile with 64 tokens on 8 warps (no
+# logits written; each row split over two warps, reductions through shared memory).
+#
+# Measured on an H200 (NOTES.md, routing v4): the one-pass kernel took 1.43-1.94 ms at
+# S=32768 over its tiles (1.77 with 64/32/4/3), no faster than cuBLAS's fp32 GEMM and the
+# route kernel (1.75). So the default splits it (`split`): the kernel as an exact-split
+# bf16 GEMM writing the logits, 128 tokens on two warpgroups, K steps of 64, 2 stages
+# (sm_90: 147 KB shared memory, 186 registers, no spills), then `_route_kernel`.
+LOGITS_ROUTE_CONFIGS = {
+    (9, 0): LogitsRouteConfig(block_s=128, block_d=64, num_warps=8, num_stages=2,
+                              from_tile=False, split=True),
+}
+# Other CUDA GPUs (no wgmma): 8 warps keep the tile at 64 registers a thread (sm_80: no spills).
+_LOGITS_ROUTE_GENERIC = LogitsRouteConfig(block_s=64, block_d=32, num_warps=8, num_stages=2,
+                                          from_tile=False)
+# The interpreter (CPU tests): its cost is per program and per op, so big tiles.
+_LOGITS_ROUTE_INTERPRETER = LogitsRouteConfig(block_s=128, block_d=256, num_warps=4,
+                                              num_stages=1, from_tile=True)
+
+
+def logits_route_config(device: torch.device) -> LogitsRouteConfig:
+    """The default tiles of the fused kernel on `device` (the interpreter off CUDA)."""
+    if device.type != "cuda" or _interpreting():
+        return _LOGITS_ROUTE_INTERPRETER
+    arch = torch.cuda.get_device_capability(device)
+    return LOGITS_ROUTE_CONFIGS.get(arch, _LOGITS_ROUTE_GENERIC)
+
+
+FUSED_MAX_EXPERTS = 256  # the [block_s, E] register tile; larger E routes unfused
+
+
+def fused_unsupported(x_heads: torch.Tensor, gate: torch.Tensor) -> str | None:
+    """Why `triton_logits_route` cannot take these inputs, or None if it can.
+
+    x_heads: [S, H, D] bfloat16 (its products with bf16 weight parts are exact in
+    fp32; fp16 or fp32 x would not be); gate: [H, E, D] float32 with E a power of
+    two in [16, 256] (the tile's columns, no padding; tl.dot needs N >= 16) and D
+    a multiple of 16 (tl.dot needs K >= 16).
+    """
+    if x_heads.dim() != 3 or gate.dim() != 3:
+        return (f"x_heads must be [S, H, D] and gate [H, E, D], got {tuple(x_heads.shape)} "
+                f"and {tuple(gate.shape)}")
+    _, H, D = x_heads.shape
+    if gate.shape[0] != H or gate.shape[2] != D:
+        return f"gate {tuple(gate.shape)} does not match x_heads {tuple(x_heads.shape)}"
+    if x_heads.dtype != torch.bfloat16:
+        return f"x must be bfloat16, got {x_heads.dtype}"
+    if gate.dtype != torch.float32:
+        return f"the router weight must be float32, got {gate.dtype}"
+    E = gate.shape[1]
+    if E < 16 or E > FUSED_MAX_EXPERTS or E & (E - 1):
+        return f"E must be a power of two in [16, {FUSED_MAX_EXPERTS}], got {E}"
+    if D < 16 or D % 16:
+        return f"D must be a multiple of 16, got {D}"
+    if x_heads.device != gate.device:
+        return f"x_heads on {x_heads.device}, gate on {gate.device}"
+    return None
+
+
+def split_router_weight(gate: torch.Tensor) -> torch.Tensor:
+    """gate: [..., D] float32 -> parts [3, gate.numel()] bfloat16, one launch.
+
+    parts[0] + parts[1] + parts[2] == gate.flatten() exactly (see
+    `_split_weight_kernel`): 3 x 8 significant bits hold fp32's 24, and bf16 has
+    fp32's exponent range. 3072 x 256 weights: 3 MB read, 4.7 MB written.
+    """
+    w = gate.detach().contiguous().view(-1)
+    parts = torch.empty(3, w.numel(), device=w.device, dtype=torch.bfloat16)
+    if w.numel():
+        BLOCK = 1024
+        _split_weight_kernel[(triton.cdiv(w.numel(), BLOCK),)](w, parts, w.numel(),
+                                                                BLOCK=BLOCK, num_warps=4)
+    return parts
+
+
+def triton_logits_route(
+    x_heads: torch.Tensor,
+    gate: torch.Tensor,
+    top_k: int,
+    score_func: str = "sigmoid",
+    expert_bias: torch.Tensor | None = None,
+    route_norm: bool = True,
+    norm_eps: float = 1e-12,
+    route_scale: float = 1.0,
+    num_groups: int = 1,
+    topk_groups: int = 1,
+    *,
+    return_logits: bool = False,
+    config: LogitsRouteConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Router logits and routing in one kernel (two launches: weight split, route).
+
+    x_heads: [S, H, D] bfloat16 (unit stride along D, else copied)
+    gate: [H, E, D] float32, the router weight (logits = x_heads[s, h] . gate[h, e])
+    expert_bias: [H, E] or [H*E] or None, selection only
+    returns probs [H, S, K] float32, indices [H, S, K] int64, and the fp32 logits
+    [H, S, E] if return_logits (else None): the same as
+    `triton_route(fp32 logits of x_heads and gate, ...)`, up to the order of the
+    logits' fp32 accumulation (see `_logits_route_kernel`). No host sync.
+    Inputs `fused_unsupported` refuses raise ValueError; the routing arguments
+    are otherwise assumed valid (`routing.route_tokens` checks them). config
+    overrides the tiles (tests, tuning).
+    """
+    reason = fused_unsupported(x_heads, gate)
+    if reason is not None:
+        raise ValueError(f"triton_logits_route: {reason}")
+    S, H, D = x_heads.shape
+    E = gate.shape[1]
+    if not 1 <= top_k <= E:
+        raise ValueError(f"triton_logits_route: top_k must lie in [1, E={E}], got {top_k}")
+    device = x_heads.device
+    cfg = config or logits_route_config(device)
+    write_logits = return_logits or not cfg.from_tile or cfg.split
+    probs = torch.empty(H, S, top_k, device=device, dtype=torch.float32)
+    indices = torch.empty(H, S, top_k, device=device, dtype=torch.int64)
+    logits = torch.empty(H, S, E, device=device, dtype=torch.float32) if write_logits \
+        else probs  # a placeholder pointer, never written
+    if H == 0 or S == 0:
+        return probs, indices, logits if return_logits else None
+    parts = split_router_weight(gate)
+    bias = probs  # a placeholder pointer when there is no bias
+    if expert_bias is not None:
+        bias = expert_bias.reshape(H, E).to(device=device, dtype=torch.float32).contiguous()
+    block_d = min(cfg.block_d, D & -D)  # the largest power of two dividing D (>= 16)
+    if x_heads.stride(2) != 1 or any((st * 2) % 16 for st in x_heads.stride()[:2]) or \
+            x_heads.data_ptr() % 16:
+        x_heads = x_heads.contiguous()  # bulk copies need 16-byte aligned strides and base
+    x_desc = TensorDescriptor.from_tensor(x_heads, [cfg.block_s, 1, block_d])
+    w_desc = TensorDescriptor.from_tensor(parts.view(3 * H * E, D), [E, block_d])
+    _logits_route_kernel[(triton.cdiv(S, cfg.block_s), H)](
+        x_desc, w_desc, logits, bias, probs, indices,
+        S, H, max(E // num_groups, 1), float(norm_eps), float(route_scale),
+        E=E, D=D, TOP_K=top_k, SOFTMAX=score_func == "softmax",
+        HAS_BIAS=expert_bias is not None, ROUTE_NORM=bool(route_norm), NUM_GROUPS=num_groups,
+        TOPK_GROUPS=topk_groups, BLOCK_S=cfg.block_s, BLOCK_D=block_d,
+        BLOCK_K=triton.next_power_of_2(top_k), BLOCK_G=triton.next_power_of_2(num_groups),
+        WRITE_LOGITS=write_logits, FROM_TILE=cfg.from_tile, INTERPRET=_interpreting(),
+        ROUTE=not cfg.split, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if cfg.split:
+        probs, indices = triton_route(logits, top_k, score_func, expert_bias, route_norm,
+                                      norm_eps, route_scale, num_groups, topk_groups)
+    return probs, indices, logits if return_logits else None
+
+
 def triton_sort_routes(
     probs: torch.Tensor,
     indices: torch.Tensor,
     num_experts: int,
     *,
     block_t: int | None = None,
+    sub_t: int | None = None,
     return_positions: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """Triton twin of `reference.sort_routes_reference` (four launches, no host sync).
@@ -491,7 +854,8 @@ def triton_sort_routes(
     Out-of-range indices (invalid input; `routing.sort_routes` checks CPU
     tensors only) are left out of the counts and not written: every write
     stays in bounds, and the slots at the end of their head are left unwritten.
-    block_t (a power of two) overrides the tokens per block. return_positions
+    block_t and sub_t (powers of two) override the tokens per block and per
+    sub-block of the count step (tests, tuning). return_positions
     adds a fourth output, positions [H*S*K] int32: the place of route (h, s, k)
     in the layout (sorted_probs[positions] == probs.flatten()), which the
     backward of sorted_probs needs (out-of-range routes: unwritten).
@@ -514,12 +878,20 @@ def triton_sort_routes(
     probs = probs.to(torch.float32).contiguous()
     BLOCK_K = triton.next_power_of_2(K)
     if block_t is None:
-        # The pairwise rank tile is [BLOCK_T * BLOCK_K]^2: 64 route slots a block
-        # (measured best of 32/64/128 on an H200; more under the interpreter,
-        # whose cost is per program).
-        block_t = max(1, (1024 if _interpreting() else 64) // BLOCK_K)
+        # 64 tokens a block on the GPU: counts of [H, S/64, E] (6 MB at MAGI-2's S = 32768
+        # against 50 MB for 8-token blocks) and a sixth of the programs. The interpreter's
+        # cost is per program: bigger blocks there.
+        block_t = max(1, 1024 // BLOCK_K) if _interpreting() else 64
         block_t = min(block_t, triton.next_power_of_2(S))
-    hist, rank = _layout_count(indices, E, block_t)
+    if sub_t is None:
+        # The pairwise rank tile is [SUB_T * BLOCK_K]^2: 64 route slots (measured best of
+        # 32/64/128 on an H200 as whole blocks); the interpreter takes the block whole.
+        sub_t = block_t if _interpreting() else max(1, 64 // BLOCK_K)
+    sub_t = min(sub_t, block_t)
+    for name, value in (("block_t", block_t), ("sub_t", sub_t)):
+        if value < 1 or value & (value - 1):
+            raise ValueError(f"triton_sort_routes: {name} must be a power of two, got {value}")
+    hist, rank = _layout_count(indices, E, block_t, sub_t)
     base, totals = _layout_scan(hist)
     offsets = _layout_offsets(totals, S, K)
     _layout_scatter(indices, probs, rank, base, offsets, gather_ids, sorted_probs, positions,
@@ -530,14 +902,19 @@ def triton_sort_routes(
 # The four steps of triton_sort_routes, separate so that benchmarks can time each.
 
 
-def _layout_count(indices, E, block_t):
+def _layout_count(indices, E, block_t, sub_t, num_warps=None):
     H, S, K = indices.shape
     NB = triton.cdiv(S, block_t)
     hist = torch.empty(H, NB, E, device=indices.device, dtype=torch.int32)
     rank = torch.empty(H, S, K, device=indices.device, dtype=torch.int32)
+    if num_warps is None:
+        # sm_90 compile-only, 64 slots a sub-block: a block of one sub-block takes 64
+        # registers at 4 warps, a loop over sub-blocks 204 at 4 warps but 91 at 2 (97 at 8):
+        # 2 warps keep ~10 programs an SM to hide the latency of each sub-block's loads.
+        num_warps = 4 if sub_t == block_t else 2
     _layout_count_kernel[(NB, H)](indices, hist, rank, S, NB, E=E, TOP_K=K, BLOCK_T=block_t,
-                                  BLOCK_K=triton.next_power_of_2(K),
-                                  BLOCK_E=triton.next_power_of_2(E), num_warps=4)
+                                  SUB_T=sub_t, BLOCK_K=triton.next_power_of_2(K),
+                                  BLOCK_E=triton.next_power_of_2(E), num_warps=num_warps)
     return hist, rank
 
 
