@@ -143,6 +143,57 @@ def test_packed_batch_past_int32_addresses():
     assert slice_error(layer, tail, y[-64:], 64) <= 4e-3
 
 
+def test_router_logits_on_tensor_cores_within_issue_bounds(magi2_layer):
+    # The layer's routing (logits from the exact bf16 split of the fp32 router, then
+    # the route kernel) against routing of float64 logits: indices equal except where
+    # the K-th and (K+1)-th selection scores lie within 1e-6 (relative), sigmoid
+    # probabilities within 1e-6 relative.
+    from mhmoe.reference import route_reference
+
+    cfg = magi2_layer.config
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    x = torch.randn(2048, cfg.num_heads, cfg.head_dim, device="cuda", generator=gen).bfloat16()
+    with torch.no_grad():
+        probs, indices = magi2_layer.route_heads(x)
+    gate = magi2_layer.gate.view(cfg.num_heads, cfg.num_experts, cfg.head_dim).double()
+    logits = torch.einsum("shd,hed->hse", x.double(), gate)
+    bias = magi2_layer.selection_bias().view(cfg.num_heads, cfg.num_experts).double()
+    ref_p, ref_i = route_reference(logits, cfg.top_k, cfg.score_func, bias, cfg.route_norm,
+                                   cfg.norm_eps, cfg.route_scale)
+    sel = (torch.sigmoid(logits) + bias[:, None]).sort(-1, descending=True).values
+    gap = (sel[..., cfg.top_k - 1] - sel[..., cfg.top_k]) / sel[..., cfg.top_k - 1].abs()
+    clear = gap > 1e-6
+    assert clear.float().mean() > 0.99
+    assert torch.equal(indices[clear], ref_i[clear])
+    rel = ((probs.double() - ref_p).abs() / ref_p.abs())[clear]
+    assert rel.max().item() <= 1e-6
+
+
+def test_backward_panel_head_groups_bitwise_on_gpu(monkeypatch):
+    # Panels for one head at a time (12 launches of the dx kernel and of the panel
+    # GEMMs) against all heads at once: deterministic mode gives the same bits.
+    import mhmoe.kernels.expert_backward as eb
+    from mhmoe.reference import sort_routes_reference
+
+    H, E, K, D, I, S = 12, 4, 2, 256, 256, 64
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    x = torch.randn(S, H, D, device="cuda", generator=gen).bfloat16()
+    dy = torch.randn(S, H, D, device="cuda", generator=gen).bfloat16()
+    w = [(torch.randn(H * E, *shape, device="cuda", generator=gen) * 0.06).bfloat16()
+         for shape in ((D, I), (D, I), (I, D))]
+    indices = torch.rand(H, S, E, device="cuda", generator=gen).topk(K, dim=-1).indices
+    probs = torch.rand(H, S, K, device="cuda", generator=gen)
+    layout = sort_routes_reference(probs, indices, E)
+    whole = eb.triton_expert_backward(dy, x, *layout, *w, deterministic=True)
+    R = layout[0].numel()
+    block_m = eb.expert_backward_config(x.device, R / (H * E)).dx.block_m
+    per_head = eb._panel_rows(S, H, R, E, 1, block_m) * (2 * D + 3 * I) * 2
+    monkeypatch.setattr(eb, "PANEL_WORKSPACE_BYTES", per_head)
+    grouped = eb.triton_expert_backward(dy, x, *layout, *w, deterministic=True)
+    for name, a, b in zip(("dx", "dprobs", "dWg", "dWu", "dWd"), whole, grouped, strict=True):
+        assert torch.equal(a, b), name
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-4)])
 def test_backward_on_gpu_against_float64(dtype, tol):
     # The whole layer's gradients through the fused backward and the Triton routing.

@@ -181,13 +181,35 @@ def test_small_tiles(rng):
     check(rng, 21, 2, 3, 2, 32, 48, config=SMALL)
 
 
+@pytest.mark.parametrize("dtype,wdtype", [(torch.bfloat16, torch.bfloat16),
+                                          (torch.float32, torch.float32),
+                                          (torch.float32, torch.bfloat16)])
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_panel_groups(rng, monkeypatch, deterministic):
+def test_panel_groups(rng, monkeypatch, deterministic, dtype, wdtype):
     # Panels that hold one head at a time: one dx launch and three panel GEMMs per
-    # head, inside the dx combine's head groups (here all three heads in one).
-    per_head = eb._panel_rows(9, 3, 9 * 3 * 2, 4, 1, 32) * (2 * 32 + 3 * 48) * 2
+    # head, the dx combine capped to the same heads (float32 dx: a workspace per
+    # group, not the result itself, which only a single group may add into).
+    elem = 2 if dtype == wdtype == torch.bfloat16 else 4
+    per_head = eb._panel_rows(9, 3, 9 * 3 * 2, 4, 1, 32) * (2 * 32 + 3 * 48) * elem
     monkeypatch.setattr(eb, "PANEL_WORKSPACE_BYTES", per_head)
-    check(rng, 9, 3, 4, 2, 32, 48, deterministic=deterministic)
+    check(rng, 9, 3, 4, 2, 32, 48, dtype=dtype, wdtype=wdtype, deterministic=deterministic)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_layout_with_uneven_heads_is_refused(rng, deterministic):
+    # R = S*H*K routes, but head 0 has them all: grids sized for S*K routes a head
+    # would miss some, so such a layout is refused (a device-side assertion on CUDA).
+    S, H, E = 8, 2, 3
+    x, _, _, wg, wu, wd, dy = make_problem(rng, S, H, E, 1, 16, 16)
+    gather_ids = torch.arange(S).repeat(2)  # 2 routes a token, all on head 0
+    offsets = torch.tensor([0, 8, 16, 16, 16, 16, 16])
+    sorted_probs = torch.rand(2 * S, generator=rng)
+    with pytest.raises(ValueError, match="every head"):
+        eb.triton_expert_backward(dy, x, gather_ids, sorted_probs, offsets, wg, wu, wd,
+                                  deterministic=deterministic)
+    with pytest.raises(ValueError, match="every head"):
+        ef.triton_expert_forward(x, gather_ids, sorted_probs, offsets, wg, wu, wd,
+                                 deterministic=deterministic)
 
 
 def test_panels_too_large_recompute_with_a_warning(rng, monkeypatch):

@@ -88,7 +88,8 @@ class ExpertBackwardConfig:
 # backward; the dx tiles moved it by less than 3%.
 # The panel GEMMs: 128 x 256 output tiles, 64 panel rows a step, 3 stages (sm_90:
 # 147 KB of shared memory, 154 registers). Measured at S=32768 (NOTES.md, backward
-# v2): whole backward 40.8 ms against 41.4 with 128 x 128 tiles and 4 stages. The
+# v2): whole backward 40.8 ms against 41.4 with 128 x 128 tiles (3 stages) and 42.5
+# with 128 x 128 tiles and 4 stages. The
 # dx kernel's panel stores need 8 KB more shared memory, so 128/32/8/2 (237 KB with
 # them, over the 227 KB) gives way to 128/16/8/3 (209 KB), which measured within
 # 0.5% of it without panels; 128/16/8/2 lost 13 ms.

@@ -4,6 +4,8 @@
 architecture and the problem's shapes (never from the routing itself, which
 lives on the device); tests and benchmarks can pass their own config instead.
 `step_down()` gives the next smaller config when one does not fit the chip.
+`logits_route_config()` does the same for the router-logits kernel
+(`LogitsRouteConfig`); the backward's tiles live in backward_configs.py.
 """
 
 from __future__ import annotations
@@ -152,3 +154,73 @@ def step_down(cfg: ExpertForwardConfig) -> ExpertForwardConfig | None:
         return dataclasses.replace(cfg, block_m=cfg.block_m // 2,
                                    num_warps=max(1, cfg.num_warps // 2))
     return None
+
+
+# Tiles of the logits (+ route) kernel of kernels/routing.py, per architecture, as data.
+
+
+@dataclass(frozen=True)
+class LogitsRouteConfig:
+    """Tiles of `kernels.routing._logits_route_kernel`.
+
+    block_s:    tokens one program owns; its [block_s, E] fp32 logits tile lives
+                in registers (block_s * E * 4 bytes over 32 * num_warps threads).
+    block_d:    the K step of each tl.dot (a power of two >= 16; the launcher
+                lowers it to the largest power of two dividing D).
+    num_warps:  warps per program (4 = one Hopper warpgroup, which owns 64 rows).
+    num_stages: software-pipelining depth of the x and weight slice loads.
+    from_tile:  gather each picked expert's logit from the register tile (a masked
+                sum per top-k round; the logits tile stays live beside the
+                selection tile: two tiles of registers) rather than re-reading
+                it from the logits written to memory (then always written:
+                block_s * E * 4 bytes of stores a program, one tile of registers).
+    split:      two launches: the kernel computes and writes the logits only
+                (ROUTE=False), then `_route_kernel` routes them (its own tiles):
+                each part runs at its own occupancy, for 4 bytes per score
+                written and read again. from_tile is then unused.
+    """
+
+    block_s: int
+    block_d: int
+    num_warps: int
+    num_stages: int
+    from_tile: bool
+    split: bool = False
+
+    def __post_init__(self) -> None:
+        check_tiles(self, ("block_s", "block_d"))
+
+
+# Hopper (sm_90). Compile-only numbers for E = D = 256, K = 6 (ptxas -v, sm_90a; NOTES.md):
+# 64 tokens, one warpgroup (m64n256 wgmma, each thread 2 rows x 64 columns of the tile: row
+# reductions are in-thread plus two shuffles), picked logits read back from memory: 255
+# registers (292 B spilled around the tile store), 104 KB shared memory with 3 stages, so
+# two programs fit an SM and one's tensor-core phase can overlap the other's routing. The
+# alternatives the benchmark sweeps: 128 tokens on two warpgroups (half the weight reads
+# from L2 per token, but one program an SM), and from_tile with 64 tokens on 8 warps (no
+# logits written; each row split over two warps, reductions through shared memory).
+#
+# Measured on an H200 (NOTES.md, routing v4): the one-pass kernel took 1.43-1.94 ms at
+# S=32768 over its tiles (1.77 with 64/32/4/3), no faster than cuBLAS's fp32 GEMM and the
+# route kernel (1.75). So the default splits it (`split`): the kernel as an exact-split
+# bf16 GEMM writing the logits, 128 tokens on two warpgroups, K steps of 64, 2 stages
+# (sm_90: 147 KB shared memory, 186 registers, no spills), then `_route_kernel`.
+LOGITS_ROUTE_CONFIGS = {
+    (9, 0): LogitsRouteConfig(block_s=128, block_d=64, num_warps=8, num_stages=2,
+                              from_tile=False, split=True),
+}
+# Other CUDA GPUs (no wgmma): 8 warps keep the tile at 64 registers a thread (sm_80: no spills).
+_LOGITS_ROUTE_GENERIC = LogitsRouteConfig(block_s=64, block_d=32, num_warps=8, num_stages=2,
+                                          from_tile=False)
+# The interpreter (CPU tests): its cost is per program and per op, so big tiles.
+_LOGITS_ROUTE_INTERPRETER = LogitsRouteConfig(block_s=128, block_d=256, num_warps=4,
+                                              num_stages=1, from_tile=True)
+
+
+def logits_route_config(device: torch.device, interpreting: bool = False) -> LogitsRouteConfig:
+    """The default tiles of `kernels/routing.py`'s logits (+ route) kernel on `device`
+    (the interpreter's off CUDA or when `interpreting`)."""
+    if device.type != "cuda" or interpreting:
+        return _LOGITS_ROUTE_INTERPRETER
+    arch = torch.cuda.get_device_capability(device)
+    return LOGITS_ROUTE_CONFIGS.get(arch, _LOGITS_ROUTE_GENERIC)

@@ -559,9 +559,12 @@ class _Panels:
             self.tiles = launch_with_step_down(launch, self.tiles, step_down_panel)
 
 
-def _panel_rows(S: int, H: int, R: int, E: int, heads: int, block_m: int) -> int:
-    """Rows of the panels of `heads` heads: the dx grid's bound on tiles, times block_m."""
-    routes = S * heads * (R // (S * H)) if R % (S * H) == 0 else R
+def _panel_rows(S: int, H: int, R: int, E: int, heads: int, block_m: int,
+                uniform: bool = True) -> int:
+    """Rows of the panels of `heads` heads: the dx grid's bound on tiles, times block_m.
+    uniform: every head owns S * K routes (`expert_forward.uniform_routes`), else any
+    of the R routes may be the group's."""
+    routes = S * heads * (R // (S * H)) if uniform and R % (S * H) == 0 else R
     return (triton.cdiv(routes, block_m) + heads * E) * block_m
 
 
@@ -625,7 +628,7 @@ def _backward_dx(grad_y, x_heads, gather_ids, sorted_probs, offsets, w_gate, w_u
                            TensorDescriptor.from_tensor(w_down, [1, t.block_i, block_d]))
             else:
                 weights = (w_gate, w_up, w_down)
-            max_tiles = _panel_rows(S, H, R, E, g, t.block_m) // t.block_m
+            max_tiles = _panel_rows(S, H, R, E, g, t.block_m, groups.uniform_k) // t.block_m
             tile_expert, tile_first = _tile_map(offsets, h0 * E, g * E, t.block_m, max_tiles)
             views = panels.views(max_tiles * t.block_m) if panels is not None else (dx,) * 5
             _expert_dx_kernel[(max_tiles,)](

@@ -295,10 +295,50 @@ def _route_slots(gather_ids: torch.Tensor, offsets: torch.Tensor, S: int, E: int
     key = (flat // E) * S + gather_ids.to(torch.int64)
     if F // E * S < 2**31:  # a 32-bit radix sort takes half the passes of a 64-bit one
         key = key.to(torch.int32)
-    order = torch.sort(key, stable=True).indices
+    keys, order = torch.sort(key, stable=True)
+    # Every (token, head) owns exactly K = R / (S * H) consecutive slots.
+    K = R // max(F // E * S, 1)
+    _require(torch.equal if keys.device.type == "cpu" else None, keys,
+             torch.arange(R, device=keys.device) // max(K, 1),
+             "deterministic mode needs the same number of routes for every (token, head)")
     slots = torch.empty(R, dtype=torch.int64, device=gather_ids.device)
     slots[order] = torch.arange(R, dtype=torch.int64, device=gather_ids.device)
     return slots
+
+
+def _require(host_equal, value: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    """Check value == expected elementwise without a host synchronisation on the GPU.
+
+    CPU tensors (`host_equal` given): a ValueError saying `what`. CUDA tensors: a
+    device-side assertion (`torch._assert_async`), which stops the stream's work with
+    an error at the next synchronisation rather than letting a kernel read a layout
+    its grid does not cover.
+    """
+    if host_equal is not None:
+        if not host_equal(value, expected.to(value.dtype)):
+            raise ValueError(what)
+    else:
+        torch._assert_async(torch.all(value == expected), what)
+
+
+def uniform_routes(gather_ids: torch.Tensor, offsets: torch.Tensor, S: int, H: int) -> bool:
+    """Whether the layout has K = R / (S * H) routes for every head (the grids then
+    bound a group of g heads by S * g * K routes); False if R is not a multiple of S * H.
+
+    R a multiple of S * H is taken as a promise that every head owns exactly S * K
+    routes (as every `sort_routes` layout does): checked here, on the device for
+    CUDA tensors (see `_require`), since a head with more would outgrow its grid.
+    """
+    R = gather_ids.numel()
+    if S * H == 0 or R % (S * H):
+        return False
+    E = (offsets.numel() - 1) // H
+    per_head = offsets[E::E] - offsets[:-1:E]
+    _require(torch.equal if offsets.device.type == "cpu" else None, per_head,
+             torch.full_like(per_head, R // H),
+             f"a layout of R = S*H*K = {R} routes must give every head S*K = {R // H} of "
+             f"them (every sort_routes layout does); this one does not")
+    return True
 
 
 def _tile_map(offsets: torch.Tensor, first: int, count: int, block_m: int, max_tiles: int):
@@ -356,8 +396,9 @@ class HeadGroups:
         S, H, D = result.shape
         R = gather_ids.numel()
         self.result, self.deterministic = result, deterministic
-        self.uniform_k = R % (S * H) == 0
+        self.uniform_k = uniform_routes(gather_ids, offsets, S, H)
         self.K = R // (S * H)
+        cap = H if max_heads is None else max_heads
         self.workspace = None
         if deterministic:
             if not self.uniform_k:
@@ -365,17 +406,16 @@ class HeadGroups:
                                  f"for every (token, head); R={R} is not a multiple of "
                                  f"S*H={S * H}")
             self.slots = _route_slots(gather_ids, offsets, S, num_experts)
-            self.size = max(1, min(H, max_heads or H,
-                                   DETERMINISTIC_WORKSPACE_BYTES // (S * self.K * D * 4)))
+            self.size = max(1, min(H, cap, DETERMINISTIC_WORKSPACE_BYTES // (S * self.K * D * 4)))
             # One workspace for the largest group; each group uses a prefix of it.
             self.workspace = torch.empty(self.size * S * self.K * D, dtype=torch.float32,
                                          device=result.device)
         else:
             self.slots = gather_ids  # unused by the kernels in this mode
-            if result.dtype == torch.float32:
-                self.size = min(H, max_heads or H)  # accumulate straight into the result
+            if result.dtype == torch.float32 and cap >= H:
+                self.size = H  # one group: accumulate straight into the result
             else:
-                self.size = max(1, min(H, max_heads or H, DEFAULT_WORKSPACE_BYTES // (S * D * 4)))
+                self.size = max(1, min(H, cap, DEFAULT_WORKSPACE_BYTES // (S * D * 4)))
                 self.workspace = torch.empty(S * self.size * D, dtype=torch.float32,
                                              device=result.device)
 

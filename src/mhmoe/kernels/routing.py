@@ -56,7 +56,6 @@ those of the unfused path except where selection scores are within ~1e-6
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -64,7 +63,8 @@ import triton.language as tl
 from triton.language.extra import libdevice
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .configs import check_tiles
+from . import configs
+from .configs import LogitsRouteConfig
 
 
 def _interpreting() -> bool:
@@ -650,73 +650,9 @@ def triton_route(
     return probs, indices
 
 
-# Tiles of the fused logits + route kernel, per architecture, as data.
-
-
-@dataclass(frozen=True)
-class LogitsRouteConfig:
-    """Tiles of `_logits_route_kernel`.
-
-    block_s:    tokens one program owns; its [block_s, E] fp32 logits tile lives
-                in registers (block_s * E * 4 bytes over 32 * num_warps threads).
-    block_d:    the K step of each tl.dot (a power of two >= 16; the launcher
-                lowers it to the largest power of two dividing D).
-    num_warps:  warps per program (4 = one Hopper warpgroup, which owns 64 rows).
-    num_stages: software-pipelining depth of the x and weight slice loads.
-    from_tile:  gather each picked expert's logit from the register tile (a masked
-                sum per top-k round; the logits tile stays live beside the
-                selection tile: two tiles of registers) rather than re-reading
-                it from the logits written to memory (then always written:
-                block_s * E * 4 bytes of stores a program, one tile of registers).
-    split:      two launches: the kernel computes and writes the logits only
-                (ROUTE=False), then `_route_kernel` routes them (its own tiles):
-                each part runs at its own occupancy, for 4 bytes per score
-                written and read again. from_tile is then unused.
-    """
-
-    block_s: int
-    block_d: int
-    num_warps: int
-    num_stages: int
-    from_tile: bool
-    split: bool = False
-
-    def __post_init__(self) -> None:
-        check_tiles(self, ("block_s", "block_d"))
-
-
-# Hopper (sm_90). Compile-only numbers for E = D = 256, K = 6 (ptxas -v, sm_90a; NOTES.md):
-# 64 tokens, one warpgroup (m64n256 wgmma, each thread 2 rows x 64 columns of the tile: row
-# reductions are in-thread plus two shuffles), picked logits read back from memory: 255
-# registers (292 B spilled around the tile store), 104 KB shared memory with 3 stages, so
-# two programs fit an SM and one's tensor-core phase can overlap the other's routing. The
-# alternatives the benchmark sweeps: 128 tokens on two warpgroups (half the weight reads
-# from L2 per token, but one program an SM), and from_tile with 64 tokens on 8 warps (no
-# logits written; each row split over two warps, reductions through shared memory).
-#
-# Measured on an H200 (NOTES.md, routing v4): the one-pass kernel took 1.43-1.94 ms at
-# S=32768 over its tiles (1.77 with 64/32/4/3), no faster than cuBLAS's fp32 GEMM and the
-# route kernel (1.75). So the default splits it (`split`): the kernel as an exact-split
-# bf16 GEMM writing the logits, 128 tokens on two warpgroups, K steps of 64, 2 stages
-# (sm_90: 147 KB shared memory, 186 registers, no spills), then `_route_kernel`.
-LOGITS_ROUTE_CONFIGS = {
-    (9, 0): LogitsRouteConfig(block_s=128, block_d=64, num_warps=8, num_stages=2,
-                              from_tile=False, split=True),
-}
-# Other CUDA GPUs (no wgmma): 8 warps keep the tile at 64 registers a thread (sm_80: no spills).
-_LOGITS_ROUTE_GENERIC = LogitsRouteConfig(block_s=64, block_d=32, num_warps=8, num_stages=2,
-                                          from_tile=False)
-# The interpreter (CPU tests): its cost is per program and per op, so big tiles.
-_LOGITS_ROUTE_INTERPRETER = LogitsRouteConfig(block_s=128, block_d=256, num_warps=4,
-                                              num_stages=1, from_tile=True)
-
-
 def logits_route_config(device: torch.device) -> LogitsRouteConfig:
-    """The default tiles of the fused kernel on `device` (the interpreter off CUDA)."""
-    if device.type != "cuda" or _interpreting():
-        return _LOGITS_ROUTE_INTERPRETER
-    arch = torch.cuda.get_device_capability(device)
-    return LOGITS_ROUTE_CONFIGS.get(arch, _LOGITS_ROUTE_GENERIC)
+    """The default tiles of the logits (+ route) kernel on `device` (configs.py)."""
+    return configs.logits_route_config(device, _interpreting())
 
 
 FUSED_MAX_EXPERTS = 256  # the [block_s, E] register tile; larger E routes unfused
@@ -781,7 +717,8 @@ def triton_logits_route(
     return_logits: bool = False,
     config: LogitsRouteConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Router logits and routing in one kernel (two launches: weight split, route).
+    """Router logits and routing: the weight split, then one kernel for both (fused), or,
+    with `config.split` (the sm_90 default), a logits kernel and `_route_kernel`.
 
     x_heads: [S, H, D] bfloat16 (unit stride along D, else copied)
     gate: [H, E, D] float32, the router weight (logits = x_heads[s, h] . gate[h, e])
