@@ -106,6 +106,9 @@ def main() -> int:
                                        "config": json.loads(config.to_json()),
                                        "world": dist.get_world_size(), "rows": rows},
                                       indent=2) + "\n")
+    # Every rank leaves together: a gloo rank that tore its group down while rank 0 was
+    # still writing aborted once at exit ("terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
     return 0
 

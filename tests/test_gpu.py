@@ -172,6 +172,7 @@ def test_router_logits_on_tensor_cores_within_issue_bounds(magi2_layer):
 def test_backward_panel_head_groups_bitwise_on_gpu(monkeypatch):
     # Panels for one head at a time (12 launches of the dx kernel and of the panel
     # GEMMs) against all heads at once: deterministic mode gives the same bits.
+    import mhmoe.kernels.backward_configs as bc
     import mhmoe.kernels.expert_backward as eb
     from mhmoe.reference import sort_routes_reference
 
@@ -188,7 +189,7 @@ def test_backward_panel_head_groups_bitwise_on_gpu(monkeypatch):
     R = layout[0].numel()
     block_m = eb.expert_backward_config(x.device, R / (H * E)).dx.block_m
     per_head = eb._panel_rows(S, H, R, E, 1, block_m) * (2 * D + 3 * I) * 2
-    monkeypatch.setattr(eb, "PANEL_WORKSPACE_BYTES", per_head)
+    monkeypatch.setattr(bc, "PANEL_WORKSPACE_BYTES", per_head)
     grouped = eb.triton_expert_backward(dy, x, *layout, *w, deterministic=True)
     for name, a, b in zip(("dx", "dprobs", "dWg", "dWu", "dWd"), whole, grouped, strict=True):
         assert torch.equal(a, b), name

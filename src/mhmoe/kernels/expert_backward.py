@@ -54,8 +54,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from . import backward_configs
 from .backward_configs import (
-    PANEL_WORKSPACE_BYTES,
     ExpertBackwardConfig,
     PanelGemmConfig,
     expert_backward_config,
@@ -514,7 +514,7 @@ class _Panels:
         E = F // H
         per_head = _panel_rows(S, H, R, E, 1, block_m)
         per_head_bytes = per_head * (2 * D + 3 * I) * dtype.itemsize
-        heads = min(H, PANEL_WORKSPACE_BYTES // per_head_bytes)
+        heads = min(H, backward_configs.PANEL_WORKSPACE_BYTES // per_head_bytes)
         if heads == 0:
             _warn_recompute(per_head_bytes)
             return None
@@ -577,8 +577,10 @@ def _warn_recompute(per_head_bytes: int) -> None:
         _warned_recompute = True
         warnings.warn(
             f"expert_backward: one head's weight-gradient panels would take "
-            f"{per_head_bytes / 2**30:.2f} GiB, more than the {PANEL_WORKSPACE_BYTES / 2**30:.2f} "
-            f"GiB allowed (backward_configs.PANEL_WORKSPACE_BYTES); the weight gradients "
+            f"{per_head_bytes / 2**30:.2f} GiB, more than the "
+            f"{backward_configs.PANEL_WORKSPACE_BYTES / 2**30:.2f} "
+            f"GiB allowed (mhmoe.kernels.backward_configs.PANEL_WORKSPACE_BYTES); the weight "
+            f"gradients "
             f"recompute g, u and dy W_down^T instead (slower, same results up to rounding)",
             stacklevel=3)
 
