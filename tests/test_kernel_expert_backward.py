@@ -199,15 +199,20 @@ def test_panel_groups(rng, monkeypatch, deterministic, dtype, wdtype):
 def test_layout_with_uneven_heads_is_refused(rng, deterministic):
     # R = S*H*K routes, but head 0 has them all: grids sized for S*K routes a head
     # would miss some, so such a layout is refused (a device-side assertion on CUDA).
-    S, H, E = 8, 2, 3
-    x, _, _, wg, wu, wd, dy = make_problem(rng, S, H, E, 1, 16, 16)
-    gather_ids = torch.arange(S).repeat(2)  # 2 routes a token, all on head 0
+    gather_ids = torch.arange(8).repeat(2)  # 2 routes a token, all on head 0
     offsets = torch.tensor([0, 8, 16, 16, 16, 16, 16])
-    sorted_probs = torch.rand(2 * S, generator=rng)
-    with pytest.raises(ValueError, match="every head"):
+    assert_refused(rng, 8, 2, 3, gather_ids, offsets, deterministic, "every head")
+
+
+def assert_refused(rng, S, H, E, gather_ids, offsets, deterministic, match):
+    """Both the forward and the backward refuse this layout with a ValueError."""
+    R = gather_ids.numel()
+    x, _, _, wg, wu, wd, dy = make_problem(rng, S, H, E, R // (S * H), 16, 16)
+    sorted_probs = torch.rand(R, generator=rng)
+    with pytest.raises(ValueError, match=match):
         eb.triton_expert_backward(dy, x, gather_ids, sorted_probs, offsets, wg, wu, wd,
                                   deterministic=deterministic)
-    with pytest.raises(ValueError, match="every head"):
+    with pytest.raises(ValueError, match=match):
         ef.triton_expert_forward(x, gather_ids, sorted_probs, offsets, wg, wu, wd,
                                  deterministic=deterministic)
 
@@ -330,3 +335,11 @@ def test_panel_config_checks_and_step_down():
         steps.append((cfg.block_m, cfg.block_n, cfg.num_stages))
         cfg = bc.step_down_panel(cfg)
     assert steps == [(32, 32, 2), (32, 32, 1), (32, 16, 1), (16, 16, 1)]
+
+
+def test_deterministic_refuses_uneven_tokens(rng):
+    # Every head owns S*K routes, but token 0 has 3 and token 1 has 1: the default
+    # mode's grids cover it, the deterministic slots (K per (token, head)) do not.
+    gather_ids = torch.tensor([0, 1, 2, 3, 0, 2, 0, 3])
+    offsets = torch.tensor([0, 4, 6, 8])
+    assert_refused(rng, 4, 1, 3, gather_ids, offsets, True, "every \\(token, head\\)")

@@ -72,8 +72,9 @@ class MultiHeadMoE(nn.Module):
       router.expert_bias, router.expert_bias_ema [local_flat] float32 (likewise), frozen
 
     backend: "auto" | "torch" | "triton" for every op; fused_router: `fused` of
-    `routing.route_tokens` (None: router logits and routing as one kernel where
-    it applies, i.e. the triton path with bf16 input; True: required; False: never).
+    `routing.route_tokens` (None: router logits on tensor cores by the Triton logits
+    kernel where it applies, i.e. the triton path with bf16 input; True: required;
+    False: never, an fp32 GEMM then `route`).
     """
 
     def __init__(
@@ -102,7 +103,7 @@ class MultiHeadMoE(nn.Module):
         self.config = config
         self.group = group
         self.backend = backend
-        # route_tokens' `fused`: None = the fused logits + route kernel where it applies.
+        # route_tokens' `fused`: None = the Triton logits kernel where it applies.
         self.fused_router = fused_router
         self.input_mode = input_mode
         if partition is None:
@@ -167,8 +168,9 @@ class MultiHeadMoE(nn.Module):
     def route_heads(self, x_heads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Routing of local heads. x_heads: [S, local_heads, D] -> probs, indices [Hl, S, K].
 
-        Logits and routing run as one Triton kernel where `routing.route_tokens`
-        allows it (the triton path with bf16 x; see `fused_router`), else as an
+        Logits come from the Triton logits kernel (then routed by the route kernel,
+        or in the same kernel, as its config says) where `routing.route_tokens`
+        allows it (the triton path with bf16 x; see `fused_router`), else from an
         fp32 GEMM followed by `route`.
         """
         cfg = self.config

@@ -495,12 +495,12 @@ class _Panels:
     One buffer of at most `PANEL_WORKSPACE_BYTES` serves every group.
     """
 
-    def __init__(self, tiles: PanelGemmConfig, heads: int, rows_per_head: int, block_m: int,
+    def __init__(self, tiles: PanelGemmConfig, heads: int, rows_per_head: int,
                  D: int, I: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.tiles, self.heads, self.dtype = tiles, heads, dtype
+        self.tiles, self.heads = tiles, heads
         self.rows = heads * rows_per_head  # panel rows of the largest group
         self.buffer = torch.empty(self.rows * (2 * D + 3 * I), dtype=dtype, device=device)
-        self.D, self.I, self.block_m = D, I, block_m
+        self.D, self.I = D, I
 
     @classmethod
     def plan(cls, config, x_heads, R, F, I, dot_fp32, w_dtype, interpreting) -> _Panels | None:
@@ -518,7 +518,7 @@ class _Panels:
         if heads == 0:
             _warn_recompute(per_head_bytes)
             return None
-        return cls(config.panel, heads, per_head, block_m, D, I, dtype, x_heads.device)
+        return cls(config.panel, heads, per_head, D, I, dtype, x_heads.device)
 
     def views(self, rows: int) -> tuple[torch.Tensor, ...]:
         """x, dy [rows, D] and dg, du, a*p [rows, I]: views of one buffer."""

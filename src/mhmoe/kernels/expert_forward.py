@@ -281,7 +281,8 @@ def _pair_delta(w_gate: torch.Tensor, w_up: torch.Tensor, interpreting: bool) ->
     return delta
 
 
-def _route_slots(gather_ids: torch.Tensor, offsets: torch.Tensor, S: int, E: int) -> torch.Tensor:
+def _route_slots(gather_ids: torch.Tensor, offsets: torch.Tensor, S: int, E: int,
+                 K: int) -> torch.Tensor:
     """Slot of every route: (h * S + s) * K + k, k = its rank in its (s, h)'s routes.
 
     The CSR holds routes in ascending flat expert, so a stable sort by (h, s)
@@ -296,26 +297,24 @@ def _route_slots(gather_ids: torch.Tensor, offsets: torch.Tensor, S: int, E: int
     if F // E * S < 2**31:  # a 32-bit radix sort takes half the passes of a 64-bit one
         key = key.to(torch.int32)
     keys, order = torch.sort(key, stable=True)
-    # Every (token, head) owns exactly K = R / (S * H) consecutive slots.
-    K = R // max(F // E * S, 1)
-    _require(torch.equal if keys.device.type == "cpu" else None, keys,
-             torch.arange(R, device=keys.device) // max(K, 1),
+    position = torch.arange(R, dtype=torch.int64, device=gather_ids.device)
+    # Every (token, head) owns exactly K consecutive slots.
+    _require(keys, position // K,
              "deterministic mode needs the same number of routes for every (token, head)")
     slots = torch.empty(R, dtype=torch.int64, device=gather_ids.device)
-    slots[order] = torch.arange(R, dtype=torch.int64, device=gather_ids.device)
+    slots[order] = position
     return slots
 
 
-def _require(host_equal, value: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+def _require(value: torch.Tensor, expected: torch.Tensor, what: str) -> None:
     """Check value == expected elementwise without a host synchronisation on the GPU.
 
-    CPU tensors (`host_equal` given): a ValueError saying `what`. CUDA tensors: a
-    device-side assertion (`torch._assert_async`), which stops the stream's work with
-    an error at the next synchronisation rather than letting a kernel read a layout
-    its grid does not cover.
+    CPU tensors: a ValueError saying `what`. Other devices: a device-side assertion
+    (`torch._assert_async`), which stops the stream's work with an error at the next
+    synchronisation rather than letting a kernel read a layout its grid does not cover.
     """
-    if host_equal is not None:
-        if not host_equal(value, expected.to(value.dtype)):
+    if value.device.type == "cpu":
+        if not torch.equal(value, expected.to(value.dtype)):
             raise ValueError(what)
     else:
         torch._assert_async(torch.all(value == expected), what)
@@ -334,8 +333,7 @@ def uniform_routes(gather_ids: torch.Tensor, offsets: torch.Tensor, S: int, H: i
         return False
     E = (offsets.numel() - 1) // H
     per_head = offsets[E::E] - offsets[:-1:E]
-    _require(torch.equal if offsets.device.type == "cpu" else None, per_head,
-             torch.full_like(per_head, R // H),
+    _require(per_head, torch.full_like(per_head, R // H),
              f"a layout of R = S*H*K = {R} routes must give every head S*K = {R // H} of "
              f"them (every sort_routes layout does); this one does not")
     return True
@@ -405,7 +403,7 @@ class HeadGroups:
                 raise ValueError(f"{op}: deterministic mode needs the same number of routes "
                                  f"for every (token, head); R={R} is not a multiple of "
                                  f"S*H={S * H}")
-            self.slots = _route_slots(gather_ids, offsets, S, num_experts)
+            self.slots = _route_slots(gather_ids, offsets, S, num_experts, self.K)
             self.size = max(1, min(H, cap, DETERMINISTIC_WORKSPACE_BYTES // (S * self.K * D * 4)))
             # One workspace for the largest group; each group uses a prefix of it.
             self.workspace = torch.empty(self.size * S * self.K * D, dtype=torch.float32,
