@@ -304,6 +304,7 @@ def test_deterministic_needs_uniform_k(rng):
 
 
 def test_configs():
+    assert bc.PANEL_WORKSPACE_BYTES == 2 * 2**30  # the 2 GiB the README and NOTES state
     cfg = expert_backward_config(torch.device("cpu"), 24.0)
     assert isinstance(cfg, ExpertBackwardConfig)
     assert isinstance(cfg.dx, ExpertForwardConfig) and isinstance(cfg.dw, ExpertForwardConfig)
