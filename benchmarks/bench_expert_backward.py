@@ -142,7 +142,8 @@ def time_size(S: int, gen, weights, det: bool, reps: int) -> dict:
 
 
 def parse_config(spec: str, default: ExpertBackwardConfig) -> ExpertBackwardConfig:
-    """'dx=m/i/w/s,dw=m/i/w/s,panel=m/n/k/w/s' over `default`; 'panel=none': recompute."""
+    """'dx=m/i/w/s,dw=m/i/w/s,panel=m/n/k/w/s[/tma]' over `default` (fields in the
+    dataclasses' order, booleans as 0/1); 'panel=none': recompute."""
     parts = dict(p.split("=") for p in spec.split(","))
     tiles = {}
     for key, value in parts.items():
@@ -154,20 +155,25 @@ def parse_config(spec: str, default: ExpertBackwardConfig) -> ExpertBackwardConf
 
 
 def sweep(S: int, gen, weights, specs: str, reps: int) -> list[dict]:
-    """Backward time (default mode) of each config (see `parse_config`)."""
+    """Backward time (default mode) of each config (see `parse_config`), and the largest
+    relative difference of its gradients from the default config's."""
     x, dy, layout, (wg, wu, wd) = make_problem(S, gen, weights)
     default = expert_backward_config(torch.device("cuda"), S * K / E)
+    ref = triton_expert_backward(dy, x, *layout, wg, wu, wd, config=default)
     rows = []
     for spec in filter(None, specs.split(";")):
         cfg = parse_config(spec, default)
         try:
+            grads = triton_expert_backward(dy, x, *layout, wg, wu, wd, config=cfg)
             ms = median_ms(lambda c=cfg: triton_expert_backward(dy, x, *layout, wg, wu, wd,
                                                                 config=c), reps)
         except Exception as exc:  # a config that fails to compile is a row, not a crash
             rows.append({"S": S, "config": spec, "error": repr(exc)[:200]})
             continue
-        rows.append({"S": S, "config": spec, "bwd_ms": ms})
-        print(f"sweep S={S} {spec}: {ms:.2f} ms", flush=True)
+        diff = max(rel_err(g, r) for g, r in zip(grads, ref, strict=True))
+        rows.append({"S": S, "config": spec, "bwd_ms": ms, "max_rel_diff_vs_default": diff})
+        print(f"sweep S={S} {spec}: {ms:.2f} ms, max rel. diff vs default {diff:.2e}", flush=True)
+        del grads
     return rows
 
 
