@@ -1,6 +1,6 @@
 """Check and time routing and layout at MAGI-2 dims: fused logits + route, layout (issue 4).
 
-    PYTHONPATH=src python3 benchmarks/bench_routing.py --out $OUT/routing_v4.json
+    PYTHONPATH=src python3 benchmarks/bench_routing.py --out $OUT/routing_v6.json
     PYTHONPATH=src python3 benchmarks/bench_routing.py --cpu --out /tmp/routing_cpu.json
     PYTHONPATH=src python3 benchmarks/bench_routing.py --compile-only
 
@@ -18,10 +18,22 @@ the two totals, the fused total replayed from a CUDA graph, the published
 torch recipe. Medians of `do_bench`. Prints a table last, writes JSON rows
 (GPU, versions, commit) to --out.
 
+v6, the counts from the routing: the route kernels add each pick to the layout's
+per-block expert counts, and the layout built from them skips its count step
+(scan, then a scatter that ranks each block itself and writes the offsets).
+Checked against the reference (asserted: block sizes, chunks, NaN rows, one
+expert taking a head, the split logits kernel's zeroing); swept at S=32768 (the
+ranking scatter's block, chunk and warps; the scan's step); the layout steps of
+both paths one by one; and per S, next to the old columns: route with counts,
+layout from counts, the standalone layout with ranks="scatter", and the totals
+old ("fused_total": logits + route, then count + scan + offsets + scatter) and
+new ("fused_total_counts": logits + route counting, then scan + ranking
+scatter), eager and replayed from a CUDA graph.
+
 --cpu: the same steps on the CPU under the Triton interpreter at toy sizes (a
 dry run of the script, numbers meaningless). --compile-only: compile the
-fused kernel's sweep tiles for sm_90 on this machine (no GPU needed) and print
-registers, spills and shared memory (ptxas -v).
+fused kernel's sweep tiles and the route and layout kernels for sm_90 on this
+machine (no GPU needed) and print registers, spills and shared memory (ptxas -v).
 """
 
 from __future__ import annotations
@@ -92,6 +104,12 @@ FUSED_SWEEP = (
 # Layout count step: (tokens a block, tokens a sub-block, warps); (8, 8, 4) was v3's.
 COUNT_SWEEP = ((8, 8, 4), (64, 8, 2), (64, 8, 4), (64, 8, 8), (32, 8, 2), (128, 8, 2),
                (64, 4, 2), (16, 8, 2))
+# The ranking scatter (ranks="scatter"): (tokens a block, routes a step, warps); the first
+# is the default. The block size is also the route kernel's count block.
+RANK_SWEEP = ((64, 32, 1), (64, 16, 1), (64, 64, 1), (64, 64, 2), (32, 32, 1), (128, 32, 1),
+              (128, 64, 2), (16, 32, 1))
+# The scan: (blocks a step, experts a program, warps); the first is the default.
+SCAN_SWEEP = ((512, 8, 4), (128, 8, 4), (256, 8, 4), (512, 4, 4), (512, 16, 8), (512, 8, 8))
 
 
 def make_inputs(st: Setup, S: int, gen: torch.Generator):
@@ -135,8 +153,23 @@ def published_route_layout(st: Setup, logits, bias):
 
 
 def same(xs, ys) -> bool:
-    """Every pair of tensors bitwise equal (shapes, dtypes and values)."""
-    return all(torch.equal(a, b) for a, b in zip(xs, ys, strict=True))
+    """Every pair of tensors bitwise equal (shapes, dtypes and values; NaN equals NaN)."""
+    def eq(a, b):
+        if a.is_floating_point() and b.is_floating_point():
+            return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0.0),
+                                                                     b.nan_to_num(0.0))
+        return torch.equal(a, b)
+    return all(eq(a, b) for a, b in zip(xs, ys, strict=True))
+
+
+def block_counts_ref(indices, E: int, block_t: int):
+    """[H, cdiv(S, block_t), E] int32 by torch: the counts the route kernels must make."""
+    H, S, _ = indices.shape
+    NB = triton.cdiv(S, block_t)
+    blocks = (torch.arange(S, device=indices.device) // block_t).view(1, S, 1)
+    heads = torch.arange(H, device=indices.device).view(H, 1, 1)
+    flat = ((heads * NB + blocks) * E + indices).reshape(-1)
+    return torch.bincount(flat, minlength=H * NB * E).view(H, NB, E).to(torch.int32)
 
 
 def near_tie_rows(st: Setup, logits, bias, score_func="sigmoid", tol=TIE):
@@ -229,6 +262,9 @@ def check_fused(st: Setup, gen: torch.Generator) -> dict:
             p, i = route_tokens(x, gate.view(st.H, st.E, st.D), st.K, "sigmoid", bias,
                                 route_scale=SCALE, fused=True)
             sort_routes(p, i, st.E)
+            p, i, c = route_tokens(x, gate.view(st.H, st.E, st.D), st.K, "sigmoid", bias,
+                                   route_scale=SCALE, fused=True, block_counts=True)
+            sort_routes(p, i, st.E, block_counts=c)
             res["no_host_sync"] = True
         except RuntimeError as err:
             res["no_host_sync"] = f"failed: {err}"
@@ -260,6 +296,43 @@ def check_route_layout(st: Setup, gen: torch.Generator) -> dict:
                                     sort_routes_reference(p, skew, st.E))
     res["layout_repeat_equal"] = same(triton_sort_routes(p, i, st.E),
                                       triton_sort_routes(p, i, st.E))
+    # v6: counts from the route kernels, the layout without its count step.
+    T = R.layout_block_t(st.K)
+    pc, ic, counts = route(st, logits, bias, count_block_t=T)
+    res["counted_route_same_picks"] = same((pc, ic), (p, i))
+    res["route_counts_equal"] = bool(torch.equal(counts, block_counts_ref(i, st.E, T)))
+    res["layout_from_counts_equal"] = same(triton_sort_routes(p, i, st.E, block_counts=counts),
+                                           ref)
+    res["layout_from_counts_repeat_equal"] = same(
+        triton_sort_routes(p, i, st.E, block_counts=counts),
+        triton_sort_routes(p, i, st.E, block_counts=counts))
+    res["layout_scatter_equal"] = same(triton_sort_routes(p, i, st.E, ranks="scatter"), ref)
+    for bt, chunk, _ in RANK_SWEEP:
+        c = route(st, logits, bias, count_block_t=bt)[2]
+        res[f"layout_from_counts_equal_block{bt}_chunk{chunk}"] = same(
+            triton_sort_routes(p, i, st.E, block_counts=c, block_t=bt, chunk=chunk), ref)
+    res["layout_scatter_skew_equal"] = same(
+        triton_sort_routes(p, skew, st.E, ranks="scatter"), sort_routes_reference(p, skew, st.E))
+    # one expert takes every token of head 0, chosen by the router itself
+    lg_skew = logits.clone()
+    lg_skew[0, :, 3] = 30.0
+    ps, is_, cs = route(st, lg_skew, bias, count_block_t=T)
+    res["layout_from_counts_skew_equal"] = bool((is_[0] == 3).any(-1).all()) and same(
+        triton_sort_routes(ps, is_, st.E, block_counts=cs), sort_routes_reference(ps, is_, st.E))
+    # NaN and inf rows: indices in range, counts of them, the reference's layout
+    lg_nan = logits.clone()
+    lg_nan[0, 0] = float("nan")
+    lg_nan[1, 5, :7] = float("inf")
+    lg_nan[st.H - 1, 9, 4] = float("nan")
+    pn, in_, cn = route(st, lg_nan, bias, count_block_t=T)
+    res["nan_route_counts_equal"] = bool(torch.equal(cn, block_counts_ref(in_, st.E, T)))
+    res["nan_layout_from_counts_equal"] = same(
+        triton_sort_routes(pn, in_, st.E, block_counts=cn), sort_routes_reference(pn, in_, st.E))
+    # the split logits kernel zeroes the counts, the route kernel adds (the sm_90 default)
+    pf, if_, _, cf = fused(st, x, gate, bias, count_block_t=T)
+    res["fused_counts_equal"] = bool(torch.equal(cf, block_counts_ref(if_, st.E, T)))
+    res["fused_layout_from_counts_equal"] = same(
+        triton_sort_routes(pf, if_, st.E, block_counts=cf), sort_routes_reference(pf, if_, st.E))
     for key, value in res.items():
         assert value is not False, (key, res)
     return res
@@ -339,6 +412,57 @@ def sweep(st: Setup, gen: torch.Generator, bench) -> list[dict]:
         rows.append({"what": "sort_step", "S": S, "step": name, "block_t": bt, "sub_t": sub,
                      "ms": ms})
         print(f"sort step {name}: {ms:.4f} ms", flush=True)
+    rows += sweep_counts_path(st, S, x, gate, bias, p, i, bench)
+    return rows
+
+
+def sweep_counts_path(st: Setup, S, x, gate, bias, p, i, bench) -> list[dict]:
+    """v6 at S: the route kernels with and without counting, the new layout's steps one by
+    one, the ranking scatter's blocks, chunks and warps, the scan's steps."""
+    rows = []
+    T = R.layout_block_t(st.K)
+    lg = logits_gemm(st, x, gate)
+    n = st.H * S * st.K
+    gid = torch.empty(n, device=st.device, dtype=torch.int32)
+    sp = torch.empty(n, device=st.device)
+    pos = torch.empty_like(gid)
+    offsets = torch.empty(st.H * st.E + 1, device=st.device, dtype=torch.int64)
+    counts = route(st, lg, bias, count_block_t=T)[2]
+    base, totals = R._layout_scan(counts)
+    steps = {
+        "route": lambda: route(st, lg, bias),
+        "route_counting": lambda: route(st, lg, bias, count_block_t=T),
+        "fused": lambda: fused(st, x, gate, bias),
+        "fused_counting": lambda: fused(st, x, gate, bias, count_block_t=T),
+        "hist (ranks=scatter, no counts)": lambda: R._layout_hist(i, st.E, T),
+        "scan": lambda: R._layout_scan(counts),
+        "rank_scatter": lambda: R._layout_rank_scatter(i, p, base, totals, offsets, gid, sp, pos,
+                                                       T, 32),
+        "layout_from_counts": lambda: triton_sort_routes(p, i, st.E, block_counts=counts),
+        "layout_ranks_scatter": lambda: triton_sort_routes(p, i, st.E, ranks="scatter"),
+        "layout_ranks_count": lambda: triton_sort_routes(p, i, st.E),
+    }
+    for name, fn in steps.items():
+        ms = bench(fn, [()])
+        rows.append({"what": "counts_step", "S": S, "step": name, "block_t": T, "ms": ms})
+        print(f"v6 step {name}: {ms:.4f} ms", flush=True)
+    for bt, chunk, nw in RANK_SWEEP:
+        c = route(st, lg, bias, count_block_t=bt)[2]
+        b2, t2 = R._layout_scan(c)
+        ms = bench(lambda bt=bt, chunk=chunk, nw=nw, b2=b2, t2=t2: R._layout_rank_scatter(
+            i, p, b2, t2, offsets, gid, sp, pos, min(bt, triton.next_power_of_2(S)), chunk, nw),
+            [()])
+        whole = bench(lambda bt=bt, chunk=chunk, c=c: triton_sort_routes(
+            p, i, st.E, block_counts=c, block_t=bt, chunk=chunk), [()])
+        rows.append({"what": "sweep_rank_scatter", "S": S, "block_t": bt, "chunk": chunk,
+                     "warps": nw, "rank_scatter_ms": ms, "layout_from_counts_ms": whole})
+        print(f"sweep rank scatter block_t={bt} chunk={chunk} warps={nw}: {ms:.4f} ms, layout "
+              f"from counts (1 warp) {whole:.4f} ms", flush=True)
+    for bb, ec, nw in SCAN_SWEEP:
+        ms = bench(lambda bb=bb, ec=ec, nw=nw: R._layout_scan(counts, ec, bb, nw), [()])
+        rows.append({"what": "sweep_scan", "S": S, "block_b": bb, "block_ec": ec, "warps": nw,
+                     "ms": ms})
+        print(f"sweep scan block_b={bb} experts={ec} warps={nw}: {ms:.4f} ms", flush=True)
     return rows
 
 
@@ -351,22 +475,35 @@ def timings(st: Setup, gen: torch.Generator, bench) -> tuple[list[dict], list[di
         data = [make_inputs(st, S, gen) for _ in range(n_sets)]
         lgs = [(logits_gemm(st, x, g), b) for x, g, b in data]
         pis = [fused(st, x, g, b)[:2] for x, g, b in data]
+        T = R.layout_block_t(st.K)
+        pics = [(pp, ii, cc) for pp, ii, _, cc in (fused(st, x, g, b, count_block_t=T)
+                                                   for x, g, b in data)]
         r = {"S": S, "input_sets": n_sets}
         r["gemm"] = bench(lambda x, g, b: logits_gemm(st, x, g), data)
         r["route"] = bench(lambda lg, b: route(st, lg, b), lgs)
+        r["route_counting"] = bench(lambda lg, b, T=T: route(st, lg, b, count_block_t=T), lgs)
         r["gemm+route"] = bench(lambda x, g, b: route(st, logits_gemm(st, x, g), b), data)
         r["fused"] = bench(lambda x, g, b: fused(st, x, g, b), data)
         r["fused_with_logits"] = bench(lambda x, g, b: fused(st, x, g, b, return_logits=True),
                                        data)
+        r["fused_counting"] = bench(lambda x, g, b, T=T: fused(st, x, g, b, count_block_t=T),
+                                    data)
         r["layout"] = bench(lambda p, i: triton_sort_routes(p, i, E), pis)
+        r["layout_from_counts"] = bench(
+            lambda p, i, c: triton_sort_routes(p, i, E, block_counts=c), pics)
+        r["layout_ranks_scatter"] = bench(
+            lambda p, i: triton_sort_routes(p, i, E, ranks="scatter"), pis)
         r["unfused_total"] = bench(
             lambda x, g, b: triton_sort_routes(*route(st, logits_gemm(st, x, g), b), E), data)
         r["fused_total"] = bench(
             lambda x, g, b: triton_sort_routes(*fused(st, x, g, b)[:2], E), data)
+        r["fused_total_counts"] = bench(lambda x, g, b: new_total(st, x, g, b), data)
         if st.device == "cuda":
             r["fused_total_graph"] = bench(
                 lambda x, g, b: triton_sort_routes(*fused(st, x, g, b)[:2], E), data,
                 graph=True)
+            r["fused_total_counts_graph"] = bench(lambda x, g, b: new_total(st, x, g, b), data,
+                                                  graph=True)
         r["published+gemm"] = bench(
             lambda x, g, b: published_route_layout(st, logits_gemm(st, x, g), b), data)
         flops = 2 * S * H * E * D
@@ -375,50 +512,111 @@ def timings(st: Setup, gen: torch.Generator, bench) -> tuple[list[dict], list[di
         rows.append({"what": "time", **r})
         table.append(r)
         print(json.dumps(r), flush=True)
-        del data, lgs, pis
+        del data, lgs, pis, pics
     return rows, table
 
 
-def compile_only(args) -> None:
-    """sm_90 compile of the fused kernel's sweep tiles here (no GPU): regs, spills, smem."""
+def new_total(st: Setup, x, gate, bias):
+    """v6: logits + route counting per block, then the layout from those counts."""
+    p, i, _, c = fused(st, x, gate, bias, count_block_t=R.layout_block_t(st.K))
+    return triton_sort_routes(p, i, st.E, block_counts=c)
+
+
+def sm90_compile(fn, sig: dict, constexprs: dict, num_warps: int, num_stages: int = 1,
+                 divisible=("S",)) -> str:
+    """Compile fn for sm_90 here (no GPU): 'registers R, spill stores/loads (a, b) B,
+    shared N B' from ptxas -v."""
     import re
     import subprocess
     import tempfile
 
     from triton.backends.compiler import GPUTarget
 
-    st = Setup()
-    fn = R._logits_route_kernel
+    sig = {**sig, **{k: "constexpr" for k in constexprs}}
+    # what the JIT passes for 16-byte aligned pointers and ints divisible by 16
+    attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]]
+             for k, t in sig.items() if t.startswith("*") or k in divisible}
+    kernel = triton.compile(
+        triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
+        target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps,
+                                                   "num_stages": num_stages})
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(kernel.asm["ptx"])
+    info = subprocess.run([ptxas, "-v", "-arch=sm_90a", f.name, "-o", os.devnull],
+                          capture_output=True, text=True).stderr
+    os.unlink(f.name)
+    regs = re.findall(r"Used (\d+) registers", info)
+    spill = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", info)
+    return (f"registers {regs[0] if regs else '?'}, spill stores/loads "
+            f"{spill[0] if spill else '?'} B, shared {kernel.metadata.shared} B")
+
+
+def compile_only(args) -> None:
+    """sm_90 compile here (no GPU) of the fused kernel's sweep tiles, the route kernel and
+    the layout kernels at their swept settings: registers, spills, shared memory."""
+    st = Setup()
+    BK = triton.next_power_of_2(st.K)
+    T = 64  # the GPU's layout_block_t
+    fn = R._logits_route_kernel
     for cfg in FUSED_SWEEP:
         for write in sorted({not cfg.from_tile, True}):
-            sig = {"x_desc": f"tensordesc<bf16[{cfg.block_s}, 1, {cfg.block_d}]>",
-                   "w_desc": f"tensordesc<bf16[{st.E}, {cfg.block_d}]>", "logits_ptr": "*fp32",
-                   "bias_ptr": "*fp32", "probs_ptr": "*fp32", "indices_ptr": "*i64",
-                   "S": "i32", "H": "i32", "group_size": "i32", "norm_eps": "fp32",
-                   "route_scale": "fp32"}
-            cx = dict(E=st.E, D=st.D, TOP_K=st.K, SOFTMAX=False, HAS_BIAS=True, ROUTE_NORM=True,
-                      NUM_GROUPS=1, TOPK_GROUPS=1, BLOCK_S=cfg.block_s, BLOCK_D=cfg.block_d,
-                      BLOCK_K=triton.next_power_of_2(st.K), BLOCK_G=1, WRITE_LOGITS=write,
-                      FROM_TILE=cfg.from_tile, INTERPRET=False, ROUTE=not cfg.split)
-            sig.update({k: "constexpr" for k in cx})
-            # what the JIT passes for 16-byte aligned pointers and ints divisible by 16
-            attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]]
-                     for k, t in sig.items() if t.startswith("*") or k in ("S",)}
-            kernel = triton.compile(
-                triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=cx, attrs=attrs),
-                target=GPUTarget("cuda", 90, 32),
-                options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
-            with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-                f.write(kernel.asm["ptx"])
-            info = subprocess.run([ptxas, "-v", "-arch=sm_90a", f.name, "-o", os.devnull],
-                                  capture_output=True, text=True).stderr
-            os.unlink(f.name)
-            regs = re.findall(r"Used (\d+) registers", info)
-            spill = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", info)
-            print(f"{tag(cfg)} write_logits={write}: registers {regs[0] if regs else '?'}, "
-                  f"spill stores/loads {spill[0] if spill else '?'} B, shared "
-                  f"{kernel.metadata.shared} B", flush=True)
+            for count_t in (0, T):
+                sig = {"x_desc": f"tensordesc<bf16[{cfg.block_s}, 1, {cfg.block_d}]>",
+                       "w_desc": f"tensordesc<bf16[{st.E}, {cfg.block_d}]>",
+                       "logits_ptr": "*fp32", "bias_ptr": "*fp32", "probs_ptr": "*fp32",
+                       "indices_ptr": "*i64", "counts_ptr": "*i32", "S": "i32", "H": "i32",
+                       "NB": "i32", "group_size": "i32", "norm_eps": "fp32",
+                       "route_scale": "fp32"}
+                cx = dict(E=st.E, D=st.D, TOP_K=st.K, SOFTMAX=False, HAS_BIAS=True,
+                          ROUTE_NORM=True, NUM_GROUPS=1, TOPK_GROUPS=1, BLOCK_S=cfg.block_s,
+                          BLOCK_D=cfg.block_d, BLOCK_K=BK, BLOCK_G=1, WRITE_LOGITS=write,
+                          FROM_TILE=cfg.from_tile, INTERPRET=False, ROUTE=not cfg.split,
+                          COUNT_T=count_t)
+                info = sm90_compile(fn, sig, cx, cfg.num_warps, cfg.num_stages)
+                print(f"logits{'' if cfg.split else '+route'} {tag(cfg)} write_logits={write} "
+                      f"count_t={count_t}: {info}", flush=True)
+    route_sig = {"logits_ptr": "*fp32", "stride_lh": "i32", "stride_ls": "i32",
+                 "stride_le": "i32", "bias_ptr": "*fp32", "probs_ptr": "*fp32",
+                 "indices_ptr": "*i64", "counts_ptr": "*i32", "S": "i32", "NB": "i32",
+                 "group_size": "i32", "norm_eps": "fp32", "route_scale": "fp32"}
+    for count_t in (0, T):
+        cx = dict(E=st.E, TOP_K=st.K, SOFTMAX=False, HAS_BIAS=True, ROUTE_NORM=True,
+                  NUM_GROUPS=1, TOPK_GROUPS=1, BLOCK_ROWS=2, BLOCK_E=st.E, BLOCK_K=BK, BLOCK_G=1,
+                  ITERS=1, INTERPRET=False, COUNT_T=count_t)
+        info = sm90_compile(R._route_kernel, route_sig, cx, 1,
+                            divisible=("S", "stride_lh", "stride_ls"))
+        print(f"route 2 rows 1 warp count_t={count_t}: {info}", flush=True)
+    idx = {"indices_ptr": "*i64"}
+    for bt, sub, nw in COUNT_SWEEP:
+        sig = {**idx, "hist_ptr": "*i32", "rank_ptr": "*i32", "S": "i32", "NB": "i32"}
+        cx = dict(E=st.E, TOP_K=st.K, BLOCK_T=bt, SUB_T=sub, BLOCK_K=BK, BLOCK_E=st.E)
+        print(f"count (ranks=count) block_t={bt} sub_t={sub} warps={nw}: "
+              f"{sm90_compile(R._layout_count_kernel, sig, cx, nw)}", flush=True)
+    sig = {**idx, "hist_ptr": "*i32", "S": "i32", "NB": "i32"}
+    cx = dict(E=st.E, TOP_K=st.K, BLOCK_T=T, BLOCK_R=triton.next_power_of_2(T * st.K),
+              BLOCK_E=st.E)
+    print(f"hist (ranks=scatter) block_t={T} warps=4: "
+          f"{sm90_compile(R._layout_hist_kernel, sig, cx, 4)}", flush=True)
+    for bb, ec, nw in SCAN_SWEEP:
+        sig = {"hist_ptr": "*i32", "base_ptr": "*i32", "totals_ptr": "*i32", "NB": "i32"}
+        cx = dict(E=st.E, BLOCK_B=bb, BLOCK_EC=ec)
+        print(f"scan block_b={bb} experts={ec} warps={nw}: "
+              f"{sm90_compile(R._layout_scan_kernel, sig, cx, nw, divisible=('NB',))}",
+              flush=True)
+    sig = {**idx, "probs_ptr": "*fp32", "base_ptr": "*i32", "totals_ptr": "*i32",
+           "offsets_ptr": "*i64", "gather_ids_ptr": "*i32", "sorted_probs_ptr": "*fp32",
+           "positions_ptr": "*i32", "S": "i32", "NB": "i32"}
+    for bt, chunk, nw in RANK_SWEEP:
+        cx = dict(E=st.E, TOP_K=st.K, BLOCK_T=bt, BLOCK_R=chunk, BLOCK_E=st.E)
+        print(f"rank scatter block_t={bt} chunk={chunk} warps={nw}: "
+              f"{sm90_compile(R._layout_rank_scatter_kernel, sig, cx, nw)}", flush=True)
+    sig = {**idx, "probs_ptr": "*fp32", "rank_ptr": "*i32", "base_ptr": "*i32",
+           "offsets_ptr": "*i64", "gather_ids_ptr": "*i32", "sorted_probs_ptr": "*fp32",
+           "positions_ptr": "*i32", "S": "i32", "NB": "i32"}
+    cx = dict(E=st.E, TOP_K=st.K, BLOCK_T=T, BLOCK_K=BK)
+    print(f"scatter (ranks=count) block_t={T} warps=4: "
+          f"{sm90_compile(R._layout_scatter_kernel, sig, cx, 4)}", flush=True)
 
 
 def main() -> None:
@@ -429,7 +627,7 @@ def main() -> None:
     parser.add_argument("--cpu", action="store_true",
                         help="dry run on the CPU (Triton interpreter, toy sizes)")
     parser.add_argument("--compile-only", action="store_true",
-                        help="compile the fused kernel for sm_90 here; print regs/smem/spills")
+                        help="compile the routing kernels for sm_90 here; print regs/smem/spills")
     args = parser.parse_args()
     if args.compile_only:
         compile_only(args)
@@ -459,16 +657,20 @@ def main() -> None:
     time_rows, table = timings(st, gen, bench)
     rows += time_rows
 
-    cols = ["gemm", "route", "gemm+route", "fused", "fused_with_logits", "layout",
-            "unfused_total", "fused_total", "fused_total_graph", "published+gemm"]
+    cols = ["gemm", "route", "route_counting", "gemm+route", "fused", "fused_counting",
+            "fused_with_logits", "layout", "layout_from_counts", "layout_ranks_scatter",
+            "unfused_total", "fused_total", "fused_total_counts", "fused_total_graph",
+            "fused_total_counts_graph", "published+gemm"]
     cols = [c for c in cols if c in table[0]]
     print("\nms (median, do_bench). gemm+route: cuBLAS fp32 logits then the Triton route; "
           "fused: logits + route in one kernel, no logits returned (the default sm_90 tile "
           "still writes them as scratch for its gather), _with_logits: returned (grad "
-          "mode); totals add the layout; _graph: CUDA-graph replay")
-    print(f"{'S':>6} " + " ".join(f"{c:>17}" for c in cols))
+          "mode); totals add the layout; _graph: CUDA-graph replay; _counting: the route "
+          "kernels also count each expert's routes per 64-token block; layout_from_counts: "
+          "the layout from those counts (no count step); fused_total_counts: the two")
+    print(f"{'S':>6} " + " ".join(f"{c:>24}" for c in cols))
     for r in table:
-        print(f"{r['S']:>6} " + " ".join(f"{r[c]:>17.4f}" for c in cols))
+        print(f"{r['S']:>6} " + " ".join(f"{r[c]:>24.4f}" for c in cols))
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
 

@@ -24,7 +24,7 @@ def make_layer(config, seed=0, deterministic=False):
     layer = mhmoe.MultiHeadMoE(config.replace(deterministic=deterministic), device="cuda")
     layer.reset_parameters(generator=gen)
     with torch.no_grad():
-        layer.router.expert_bias_ema.normal_(0, 0.01, generator=None)
+        layer.router.expert_bias_ema.normal_(0, 0.01, generator=gen)
     return layer
 
 
@@ -145,9 +145,10 @@ def test_packed_batch_past_int32_addresses():
 
 def test_router_logits_on_tensor_cores_within_issue_bounds(magi2_layer):
     # The layer's routing (logits from the exact bf16 split of the fp32 router, then
-    # the route kernel) against routing of float64 logits: indices equal except where
-    # the K-th and (K+1)-th selection scores lie within 1e-6 (relative), sigmoid
-    # probabilities within 1e-6 relative.
+    # the route kernel) against routing of float64 logits: indices equal, in order,
+    # except in rows where two of the K+1 best selection scores lie within 1e-6 of
+    # each other (relative; fp32 scores cannot order such a pair as float64 does),
+    # sigmoid probabilities within 1e-6 relative.
     from mhmoe.reference import route_reference
 
     cfg = magi2_layer.config
@@ -161,7 +162,8 @@ def test_router_logits_on_tensor_cores_within_issue_bounds(magi2_layer):
     ref_p, ref_i = route_reference(logits, cfg.top_k, cfg.score_func, bias, cfg.route_norm,
                                    cfg.norm_eps, cfg.route_scale)
     sel = (torch.sigmoid(logits) + bias[:, None]).sort(-1, descending=True).values
-    gap = (sel[..., cfg.top_k - 1] - sel[..., cfg.top_k]) / sel[..., cfg.top_k - 1].abs()
+    best = sel[..., :cfg.top_k + 1]
+    gap = ((best[..., :-1] - best[..., 1:]) / best[..., :-1].abs()).amin(-1)
     clear = gap > 1e-6
     assert clear.float().mean() > 0.99
     assert torch.equal(indices[clear], ref_i[clear])

@@ -11,6 +11,7 @@ pytest.importorskip("triton")
 
 from mhmoe.kernels.routing import (
     LogitsRouteConfig,
+    layout_block_t,
     split_router_weight,
     triton_logits_route,
     triton_route,
@@ -230,6 +231,152 @@ def test_layout_ignores_out_of_range_indices(rng):
     assert gather_ids[:n].cpu().tolist() == tokens[ref[0].long()].tolist()
 
 
+def _block_counts(indices, num_experts, block_t):
+    """[H, cdiv(S, block_t), E] int32: routes of each expert per block of block_t tokens."""
+    H, S, K = indices.shape
+    NB = -(-S // block_t)
+    blocks = (torch.arange(S) // block_t).view(1, S, 1).expand(H, S, K)
+    flat = (torch.arange(H).view(H, 1, 1) * NB + blocks) * num_experts + indices.cpu()
+    return torch.bincount(flat.reshape(-1), minlength=H * NB * num_experts).view(
+        H, NB, num_experts).to(torch.int32)
+
+
+def _same_layout(got, want):
+    """Bitwise equal layouts (NaN probabilities of NaN rows compare equal)."""
+    for a, b in zip(got, want, strict=True):
+        a = a.cpu()
+        assert a.dtype == b.dtype
+        assert torch.equal(a, b) or (a.is_floating_point() and
+                                     torch.equal(a.isnan(), b.isnan()) and
+                                     torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0)))
+
+
+# numpy warns on the interpreter's inf - inf of the all -inf softmax row (NaN, as in torch)
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("block_t,chunk", [(2, 4), (4, 8), (16, 32), (64, 512), (None, None)])
+def test_route_counts_give_the_reference_layout(rng, block_t, chunk):
+    # The route kernel counts its picks per block of tokens; the layout built from those
+    # counts (no count step) is the reference's, bitwise. Rows of NaN and inf logits among
+    # them, several blocks, a partial last block, chunks smaller and larger than a block.
+    H, S, E, K = 3, 29, 24, 5
+    logits = torch.randn(H, S, E, generator=rng) * 2
+    logits[0, 3] = NAN                 # every logit NaN: experts 0..K-1, NaN probabilities
+    logits[1, 7, 2] = NAN              # one NaN expert: never picked
+    logits[2, 9, :4] = INF             # +inf logits: picked first
+    logits[2, 10, :] = -INF            # all -inf: ascending ids
+    bias = torch.randn(H, E, generator=rng) * 0.1
+    plain = triton_route(logits.to(DEVICE), K, "sigmoid", bias.to(DEVICE), route_scale=4.9)
+    T = block_t or layout_block_t(K)
+    p, i, counts = triton_route(logits.to(DEVICE), K, "sigmoid", bias.to(DEVICE),
+                                route_scale=4.9, count_block_t=T)
+    # counting changes no probability or index bit
+    assert torch.equal(p.nan_to_num(7.0), plain[0].nan_to_num(7.0)) and torch.equal(i, plain[1])
+    assert counts.dtype == torch.int32 and torch.equal(counts.cpu(), _block_counts(i, E, T))
+    want = sort_routes_reference(p.cpu(), i.cpu(), E)
+    _same_layout(triton_sort_routes(p, i, E, block_counts=counts, block_t=block_t,
+                                    chunk=chunk), want)
+    # ranks="scatter" without counts: its own count step (counts only), same layout
+    _same_layout(triton_sort_routes(p, i, E, ranks="scatter", block_t=block_t, chunk=chunk),
+                 want)
+    # the positions output: sorted_probs[positions] == probs, the backward's gather
+    _, sp, _, pos = triton_sort_routes(p, i, E, block_counts=counts, block_t=block_t,
+                                       chunk=chunk, return_positions=True)
+    assert torch.equal(sp[pos.long()].view(H, S, K).nan_to_num(7.0), p.nan_to_num(7.0))
+
+
+def test_route_counts_with_groups_and_softmax(rng):
+    # the counts come from the picks whatever the selection rule
+    logits = torch.randn(2, 19, 16, generator=rng)
+    for score_func in ("sigmoid", "softmax"):
+        p, i, counts = triton_route(logits.to(DEVICE), 4, score_func, num_groups=4,
+                                    topk_groups=2, count_block_t=8)
+        assert torch.equal(counts.cpu(), _block_counts(i, 16, 8))
+        _same_layout(triton_sort_routes(p, i, 16, block_counts=counts, block_t=8),
+                     sort_routes_reference(p.cpu(), i.cpu(), 16))
+
+
+def test_route_counts_one_expert_takes_every_token(rng):
+    # expert 3 wins every token of head 0 (its logit far above the rest): all S routes of
+    # one expert in every block; K = 1 (the whole head on one expert) and K = 4
+    S, E = 70, 8
+    logits = torch.randn(2, S, E, generator=rng)
+    logits[0, :, 3] = 30.0
+    for K in (1, 4):
+        p, i, counts = triton_route(logits.to(DEVICE), K, count_block_t=16)
+        assert (i[0, :, 0] == 3).all()
+        assert (counts[0, :, 3].cpu() == torch.tensor([16, 16, 16, 16, 6])).all()
+        layout = triton_sort_routes(p, i, E, block_counts=counts, block_t=16, chunk=8)
+        _same_layout(layout, sort_routes_reference(p.cpu(), i.cpu(), E))
+        if K == 1:
+            assert layout[2].cpu().tolist()[:E + 1] == [0, 0, 0, 0, S, S, S, S, S]
+            assert layout[0][:S].cpu().tolist() == list(range(S))
+
+
+def test_layout_ranks_scatter_without_counts(rng):
+    # ranks="scatter" on arbitrary indices: repeated experts within a token (never made by
+    # route(), allowed by sort_routes), int32 indices, K = 1, one expert for a whole head
+    probs = torch.rand(2, 23, 4, generator=rng)
+    indices = torch.randint(0, 7, (2, 23, 4), generator=rng)
+    for idx, block_t, chunk in ((indices, 1, 1), (indices, 4, 2), (indices, 32, 64),
+                                (indices.to(torch.int32), 8, 32)):
+        _same_layout(triton_sort_routes(probs, idx.to(DEVICE), 7, ranks="scatter",
+                                        block_t=block_t, chunk=chunk),
+                     sort_routes_reference(probs, idx, 7))
+    skew = torch.full((2, 30, 1), 2)
+    skew[1] = torch.randint(0, 3, (30, 1), generator=rng)
+    probs = torch.rand(2, 30, 1, generator=rng)
+    _same_layout(triton_sort_routes(probs, skew.to(DEVICE), 3, ranks="scatter", block_t=16,
+                                    chunk=4),
+                 sort_routes_reference(probs, skew, 3))
+
+
+def test_layout_ranks_scatter_ignores_out_of_range_indices(rng):
+    # invalid input, as test_layout_ignores_out_of_range_indices: the same outcome
+    probs = torch.rand(1, 6, 2, generator=rng)
+    indices = torch.tensor([[[0, 1], [2, 9], [1, -1], [2**40, 0], [1, 2], [0, 2]]])
+    count = triton_sort_routes(probs.to(DEVICE), indices.to(DEVICE), 3)
+    scatter = triton_sort_routes(probs.to(DEVICE), indices.to(DEVICE), 3, ranks="scatter",
+                                 block_t=2, chunk=2)
+    n = int(((indices >= 0) & (indices < 3)).sum())
+    assert torch.equal(scatter[2], count[2])
+    assert torch.equal(scatter[0][:n], count[0][:n]) and torch.equal(scatter[1][:n],
+                                                                     count[1][:n])
+
+
+def test_layout_with_wrong_counts_writes_only_its_head(rng):
+    # counts that are not those of the indices (here negative ones for head 1) give a wrong
+    # layout for that head, but its writes stay in its slice: head 0 is still the reference
+    H, S, E, K = 2, 12, 6, 2
+    p, i, counts = triton_route(torch.randn(H, S, E, generator=rng).to(DEVICE), K,
+                                count_block_t=4)
+    bad = counts.clone()
+    bad[1, :, 0] = -1000
+    gather_ids, sorted_probs, _ = triton_sort_routes(p, i, E, block_counts=bad, block_t=4)
+    want = sort_routes_reference(p.cpu(), i.cpu(), E)
+    assert torch.equal(gather_ids[:S * K].cpu(), want[0][:S * K])
+    assert torch.equal(sorted_probs[:S * K].cpu(), want[1][:S * K])
+
+
+def test_layout_refuses_counts_it_cannot_use(rng):
+    p, i, counts = triton_route(torch.randn(2, 10, 8, generator=rng).to(DEVICE), 2,
+                                count_block_t=4)
+    with pytest.raises(ValueError, match="block_counts"):
+        triton_sort_routes(p, i, 8, block_counts=counts, block_t=8)  # other blocks
+    with pytest.raises(ValueError, match="block_counts"):
+        triton_sort_routes(p, i, 8, block_counts=counts.long(), block_t=4)
+    with pytest.raises(ValueError, match="ranks"):
+        triton_sort_routes(p, i, 8, block_counts=counts, block_t=4, ranks="count")
+    with pytest.raises(ValueError, match="ranks"):
+        triton_sort_routes(p, i, 8, ranks="sort")
+    with pytest.raises(ValueError, match="power of two"):
+        triton_route(torch.randn(2, 10, 8, device=DEVICE), 2, count_block_t=6)
+    # edge: S = 0, counts [H, 0, E]; the layout of no routes
+    p, i, counts = triton_route(torch.empty(2, 0, 8, device=DEVICE), 2, count_block_t=4)
+    assert counts.shape == (2, 0, 8)
+    assert triton_sort_routes(p, i, 8, block_counts=counts, block_t=4)[2].cpu().tolist() == \
+        [0] * 17
+
+
 def test_route_then_layout_end_to_end(rng):
     # the MAGI-2 preset's routing arguments, several heads, full chain
     H, S, E, K = 3, 29, 64, 6
@@ -409,6 +556,35 @@ def test_fused_route_nan_and_inf(rng):
         # rows without a non-finite input are untouched: finite probabilities
         clean = torch.isfinite(x.transpose(0, 1)).all(-1) & torch.isfinite(ref_logits).all(-1)
         assert torch.isfinite(p[clean]).all()
+
+
+# numpy warns on the interpreter's inf - inf of NaN rows (NaN, as in torch)
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("config,count_t", [
+    (LogitsRouteConfig(block_s=32, block_d=32, num_warps=4, num_stages=1, from_tile=True), 16),
+    (LogitsRouteConfig(block_s=16, block_d=32, num_warps=4, num_stages=1, from_tile=False), 64),
+    # split: the logits kernel zeroes the count blocks that start in its tile (several a
+    # tile, or one every few tiles), then the route kernel adds
+    (LogitsRouteConfig(block_s=32, block_d=32, num_warps=4, num_stages=1, from_tile=False,
+                       split=True), 8),
+    (LogitsRouteConfig(block_s=16, block_d=32, num_warps=4, num_stages=1, from_tile=False,
+                       split=True), 64),
+])
+def test_fused_route_counts(rng, config, count_t):
+    # logits + route with counts, fused or split: the same picks as without, counts of them,
+    # and the layout from them is the reference's; NaN and inf inputs among the rows
+    H, S, E, D, K = 2, 45, 32, 32, 6
+    x, gate = _fused_inputs(rng, H, S, E, D)
+    x[4, 0, 1] = float("nan")    # token 4, head 0: every logit NaN
+    x[9, 1, 0] = float("inf")    # token 9, head 1: logits +-inf
+    bias = torch.randn(H, E, generator=rng) * 0.02
+    args = (x.to(DEVICE), gate.to(DEVICE), K, "sigmoid", bias.to(DEVICE), True, 1e-12, 4.9)
+    p, i, _ = triton_logits_route(*args, config=config)
+    p2, i2, _, counts = triton_logits_route(*args, config=config, count_block_t=count_t)
+    assert torch.equal(i2, i) and torch.equal(p2.nan_to_num(7.0), p.nan_to_num(7.0))
+    assert torch.equal(counts.cpu(), _block_counts(i, E, count_t))
+    _same_layout(triton_sort_routes(p2, i2, E, block_counts=counts, block_t=count_t),
+                 sort_routes_reference(p2.cpu(), i2.cpu(), E))
 
 
 def test_fused_route_rejects_what_it_cannot_compute(rng):

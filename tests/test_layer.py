@@ -261,3 +261,33 @@ def test_deterministic_env_reaches_the_kernel(rng, monkeypatch):
     monkeypatch.setenv("MAGI2_DETERMINISTIC", "0")
     MultiHeadMoE(cfg.replace(deterministic=True), backend="triton")(x)
     assert seen == [False, True, False]
+
+
+@pytest.mark.parametrize("fused_router", [None, False])
+def test_layer_hands_route_counts_to_the_layout(rng, monkeypatch, fused_router):
+    # Triton path (the interpreter): the route kernels' block counts reach the layout, which
+    # then has no count step; the output equals the PyTorch path's layout and experts.
+    import mhmoe.kernels.routing as kr
+
+    seen = []
+    real = kr.triton_sort_routes
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("block_counts") is not None)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kr, "triton_sort_routes", spy)
+    cfg = mhmoe.MultiHeadMoEConfig(hidden_size=64, num_heads=2, num_experts=16, top_k=3,
+                                   expert_intermediate_size=32, params_dtype=torch.bfloat16,
+                                   route_scale=4.9)
+    layer = MultiHeadMoE(cfg, backend="triton", fused_router=fused_router)
+    layer.reset_parameters(generator=rng)
+    x = torch.randn(9, 64, generator=rng).bfloat16()
+    with torch.no_grad():
+        y = layer(x)
+        probs, indices = layer.route_heads(x.view(9, 2, 32))
+        ref = mhmoe.expert_forward(x.view(9, 2, 32), *mhmoe.sort_routes(probs, indices, 16,
+                                                                        backend="torch"),
+                                   layer.W_gate, layer.W_up, layer.W_down, backend="triton")
+    assert seen == [True]
+    assert torch.equal(y, ref.reshape(9, 64))

@@ -398,3 +398,68 @@ def test_fused_routing_under_torch_compile(rng):
         grads.append((probs.detach(), indices, xx.grad, gg.grad))
     for a, b in zip(*grads, strict=True):
         assert torch.equal(a, b)
+
+
+# ------------------------------- the routing-to-layout hand-off: block counts from the route
+
+
+@pytest.mark.parametrize("backend,fused", [("triton", None), ("triton", False), ("torch", None)])
+def test_route_tokens_block_counts_to_sort_routes(rng, backend, fused):
+    # Triton paths (the logits kernel, or the GEMM + route kernel) count the picks per
+    # block; the layout from those counts equals the layout without them. The PyTorch
+    # path makes none (None), and sort_routes then counts itself.
+    x, gate, bias = _token_inputs(rng, S=21, E=16)
+    probs, indices, counts = mhmoe.routing.route_tokens(
+        x, gate, 3, "sigmoid", bias, route_scale=4.9, backend=backend, fused=fused,
+        block_counts=True)
+    p2, i2 = mhmoe.routing.route_tokens(x, gate, 3, "sigmoid", bias, route_scale=4.9,
+                                        backend=backend, fused=fused)
+    assert torch.equal(probs, p2) and torch.equal(indices, i2)
+    if backend == "torch":
+        assert counts is None
+    else:
+        assert counts.dtype == torch.int32 and counts.shape[0] == 2 and counts.shape[2] == 16
+        assert counts.sum().item() == indices.numel()
+    with_counts = mhmoe.sort_routes(probs, indices, 16, backend=backend, block_counts=counts)
+    plain = mhmoe.sort_routes(probs, indices, 16, backend=backend)
+    for a, b in zip(with_counts, plain, strict=True):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="block_counts"):
+        mhmoe.sort_routes(probs, indices, 16, block_counts=[1, 2])
+
+
+def test_routing_ops_registration_with_counts(rng):
+    from mhmoe.routing import _logits_route_triton_op, _route_triton_op, _sort_routes_triton_op
+
+    logits = torch.randn(2, 4, 8, generator=rng).requires_grad_()
+    torch.library.opcheck(_route_triton_op,
+                          (logits, 3, "sigmoid", None, True, 1e-12, 2.0, 1, 1, True))
+    x, gate, bias = _token_inputs(rng, S=5)
+    torch.library.opcheck(_logits_route_triton_op,
+                          (x, gate, 3, "sigmoid", bias, True, 1e-12, 2.0, 1, 1, False, True))
+    probs, indices, counts = _route_triton_op(logits.detach(), 3, "sigmoid", None, True, 1e-12,
+                                              2.0, 1, 1, True)
+    torch.library.opcheck(_sort_routes_triton_op, (probs.requires_grad_(), indices, 8, counts))
+
+
+def test_route_and_layout_with_counts_under_torch_compile(rng):
+    # fullgraph: the counts go from one op's output to the other's input, on the device,
+    # with fake shapes computed from S and K alone
+    x, gate, bias = _token_inputs(rng, S=7)
+
+    def f(xx, gg):
+        probs, indices, counts = mhmoe.routing.route_tokens(
+            xx, gg, 3, "sigmoid", bias, route_scale=4.9, backend="triton", block_counts=True)
+        layout = mhmoe.sort_routes(probs, indices, 16, backend="triton", block_counts=counts)
+        return probs, *layout
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    outs = []
+    for fn in (f, compiled):
+        xx, gg = x.clone().requires_grad_(), gate.clone().requires_grad_()
+        probs, gather_ids, sorted_probs, offsets = fn(xx, gg)
+        sorted_probs.square().sum().backward()
+        outs.append((probs.detach(), gather_ids, sorted_probs.detach(), offsets, xx.grad,
+                     gg.grad))
+    for a, b in zip(*outs, strict=True):
+        assert torch.equal(a, b)

@@ -245,16 +245,14 @@ def _bench_point(layer, path: str, tokens: int, device: torch.device, runs: int)
     """Route + layout, experts and whole-layer times of one token count, and a check."""
     from .bench import BenchRow, expert_tflops, time_fn
     from .experts import expert_forward
-    from .routing import sort_routes
 
     config = layer.config
     gen = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, config.hidden_size, generator=gen).to(device, torch.bfloat16)
     x_heads = x.view(tokens, config.num_heads, config.head_dim)
-    layout = sort_routes(*layer.route_heads(x_heads), config.num_experts)
+    layout = layer.route_layout(x_heads)
     run = dict(device=device, warmup=1, runs=runs)
-    t_route = time_fn(lambda: sort_routes(*layer.route_heads(x_heads), config.num_experts),
-                      **run)
+    t_route = time_fn(lambda: layer.route_layout(x_heads), **run)
     t_exp = time_fn(lambda: expert_forward(x_heads, *layout, layer.W_gate, layer.W_up,
                                            layer.W_down, backend=path), **run)
     y = layer(x)

@@ -12,7 +12,7 @@ from .backends import BACKENDS
 from .config import BIAS_SOURCES, MultiHeadMoEConfig
 from .experts import expert_forward
 from .parallel import HeadPartition, dispatch, gather_token_counts, undispatch
-from .routing import route_tokens, sort_routes
+from .routing import RouteLayout, route_tokens, sort_routes
 
 BIAS_SOURCE_ENV = "MAGI2_ROUTER_BIAS_SOURCE"
 DETERMINISTIC_ENV = "MAGI2_DETERMINISTIC"
@@ -165,13 +165,15 @@ class MultiHeadMoE(nn.Module):
             return self.router.expert_bias_ema
         return self.router.expert_bias
 
-    def route_heads(self, x_heads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def route_heads(self, x_heads: torch.Tensor, *,
+                    block_counts: bool = False) -> tuple[torch.Tensor | None, ...]:
         """Routing of local heads. x_heads: [S, local_heads, D] -> probs, indices [Hl, S, K].
 
         Logits come from the Triton logits kernel (then routed by the route kernel,
         or in the same kernel, as its config says) where `routing.route_tokens`
         allows it (the triton path with bf16 x; see `fused_router`), else from an
-        fp32 GEMM followed by `route`.
+        fp32 GEMM followed by `route`. block_counts: a third value, the layout's
+        per-block expert counts for `sort_routes` (None on the PyTorch path).
         """
         cfg = self.config
         Hl = self.partition.local_heads
@@ -181,12 +183,20 @@ class MultiHeadMoE(nn.Module):
                             route_norm=cfg.route_norm, norm_eps=cfg.norm_eps,
                             route_scale=cfg.route_scale, num_groups=cfg.num_groups,
                             topk_groups=cfg.topk_groups, backend=self.backend,
-                            fused=self.fused_router)
+                            fused=self.fused_router, block_counts=block_counts)
+
+    def route_layout(self, x_heads: torch.Tensor) -> RouteLayout:
+        """The routes of this rank's heads grouped by expert, as `forward_heads` uses them:
+        `route_heads`, then `sort_routes`. On the Triton path the route kernels count
+        each expert's routes per block of tokens as they pick, and the layout takes
+        those counts instead of running its own count step (the same layout)."""
+        probs, indices, counts = self.route_heads(x_heads, block_counts=True)
+        return sort_routes(probs, indices, self.config.num_experts, backend=self.backend,
+                           block_counts=counts)
 
     def forward_heads(self, x_heads: torch.Tensor) -> torch.Tensor:
         """The layer on this rank's heads. x_heads: [S, local_heads, D] -> same."""
-        probs, indices = self.route_heads(x_heads)
-        layout = sort_routes(probs, indices, self.config.num_experts, backend=self.backend)
+        layout = self.route_layout(x_heads)
         return expert_forward(x_heads, *layout, self.W_gate, self.W_up, self.W_down,
                               deterministic=self.deterministic, backend=self.backend)
 

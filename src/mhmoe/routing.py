@@ -6,6 +6,12 @@ Routing produces metadata that the expert kernels only consume:
     probs, indices = route_tokens(x_heads, gate, top_k)   # the logits too (fused on GPU)
     layout = sort_routes(probs, indices, E)          # a RouteLayout
 
+The layer hands the route kernels' per-block expert counts to the layout, which
+then skips its count step (Triton path; the counts stay on the device):
+
+    probs, indices, counts = route_tokens(x_heads, gate, top_k, block_counts=True)
+    layout = sort_routes(probs, indices, E, block_counts=counts)
+
 Worked example, H=1, S=3, E=2, K=1, indices [[[1], [0], [1]]]:
     gather_ids   = [1, 0, 2]      token of each route, expert 0's first
     sorted_probs = [p1, p0, p2]
@@ -80,11 +86,24 @@ def route(
     H, _, E = logits.shape
     _check_route_args("route", H, E, logits.device, top_k, score_func, expert_bias, norm_eps,
                       num_groups, topk_groups)
+    probs, indices, _ = _route_checked(logits, top_k, score_func, expert_bias, route_norm,
+                                       norm_eps, route_scale, num_groups, topk_groups, backend,
+                                       False)
+    return probs, indices
+
+
+def _route_checked(logits, top_k, score_func, expert_bias, route_norm, norm_eps, route_scale,
+                   num_groups, topk_groups, backend: str, block_counts: bool):
+    """`route` after its checks: (probs, indices, counts), counts the layout's block
+    counts (see `route_tokens`) when block_counts and the Triton kernel ran, else None."""
     if _path(backend, logits, "route", "logits") == "triton":
-        return _route_triton_op(logits, top_k, score_func, expert_bias, route_norm,
-                                float(norm_eps), float(route_scale), num_groups, topk_groups)
-    return route_reference(logits, top_k, score_func, expert_bias, route_norm, norm_eps,
-                           route_scale, num_groups, topk_groups)
+        probs, indices, counts = _route_triton_op(
+            logits, top_k, score_func, expert_bias, route_norm, float(norm_eps),
+            float(route_scale), num_groups, topk_groups, block_counts)
+        return probs, indices, counts if block_counts else None
+    probs, indices = route_reference(logits, top_k, score_func, expert_bias, route_norm,
+                                     norm_eps, route_scale, num_groups, topk_groups)
+    return probs, indices, None
 
 
 def route_tokens(
@@ -101,7 +120,8 @@ def route_tokens(
     *,
     backend: str = "auto",
     fused: bool | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    block_counts: bool = False,
+) -> tuple[torch.Tensor | None, ...]:
     """Router logits of every (token, head), then `route` (SPEC section 2, steps 1-6).
 
     x_heads: [S, H, D] float; gate: [H, E, D], the router weight (float32;
@@ -133,6 +153,12 @@ def route_tokens(
     for cuBLAS + route at S=32768, 0.14 against 0.24 at 4096; at 1024 tokens its
     three launches cost 0.23 ms eager against 0.11 (the GPU work is ~0.05 ms, which
     a CUDA graph replays). One path at every S: the same logits for any batch size.
+
+    block_counts: return a third value for `sort_routes(..., block_counts=)`: the
+    routes of each expert per block of tokens ([H, cdiv(S, T), E] int32, T =
+    `kernels.routing.layout_block_t(top_k)`), counted by the Triton route kernels
+    as they pick (integer atomic adds: deterministic), so that the layout skips
+    its count step; None on the PyTorch path, where the layout counts itself.
     """
     if not isinstance(x_heads, torch.Tensor) or x_heads.dim() != 3 or \
             not isinstance(gate, torch.Tensor) or gate.dim() != 3:
@@ -158,16 +184,17 @@ def route_tokens(
         if reason is None:
             save_logits = torch.is_grad_enabled() and (x_heads.requires_grad or
                                                        gate.requires_grad)
-            probs, indices, _ = _logits_route_triton_op(
+            probs, indices, _, counts = _logits_route_triton_op(
                 x_heads, gate, top_k, score_func, expert_bias, route_norm, float(norm_eps),
-                float(route_scale), num_groups, topk_groups, save_logits)
-            return probs, indices
+                float(route_scale), num_groups, topk_groups, save_logits, block_counts)
+            return (probs, indices, counts) if block_counts else (probs, indices)
         if fused:
             raise ValueError(f"route_tokens: fused=True, but the fused kernel cannot run here: "
                              f"{reason}")
     logits = RouterLogits.apply(x_heads, gate)
-    return route(logits, top_k, score_func, expert_bias, route_norm, norm_eps, route_scale,
-                 num_groups, topk_groups, backend=backend)
+    out = _route_checked(logits, top_k, score_func, expert_bias, route_norm, norm_eps,
+                         route_scale, num_groups, topk_groups, backend, block_counts)
+    return out if block_counts else out[:2]
 
 
 def _fused_unsupported(backend: str, x_heads: torch.Tensor, gate: torch.Tensor) -> str | None:
@@ -235,13 +262,19 @@ def _router_logits_backward(grad, x_heads, gate, need_x: bool, need_gate: bool):
 
 
 def sort_routes(probs: torch.Tensor, indices: torch.Tensor, num_experts: int, *,
-                backend: str = "auto") -> RouteLayout:
+                backend: str = "auto",
+                block_counts: torch.Tensor | None = None) -> RouteLayout:
     """Group the routes by flat expert: see `RouteLayout` for the fields.
 
     probs: [H, S, K] float; indices: [H, S, K] int, each in [0, num_experts)
     backend: "auto" (a Triton counting sort on CUDA, PyTorch's stable sort
     elsewhere), "torch" or "triton"; the layouts are identical. Neither reads
     anything back to the host. sorted_probs is differentiable in probs.
+
+    block_counts: the counts `route_tokens(..., block_counts=True)` returned with
+    these very indices (or None): the Triton layout then skips its count step
+    (same layout, bitwise). Counts of other indices give a wrong layout (never
+    an out-of-bounds write); the PyTorch path ignores them.
     """
     if indices.dim() != 3 or probs.shape != indices.shape:
         raise ValueError(f"sort_routes: probs and indices must both be [H, S, K], got "
@@ -261,9 +294,12 @@ def sort_routes(probs: torch.Tensor, indices: torch.Tensor, num_experts: int, *,
         if low < 0 or high >= num_experts:
             raise ValueError(f"sort_routes: indices must lie in [0, {num_experts}), found "
                              f"values in [{low}, {high}]")
+    if block_counts is not None and not isinstance(block_counts, torch.Tensor):
+        raise ValueError(f"sort_routes: block_counts must be a tensor or None, got "
+                         f"{type(block_counts).__name__}")
     if _path(backend, probs, "sort_routes", "probs") == "triton":
         sorted_probs, gather_ids, offsets, _ = _sort_routes_triton_op(probs, indices,
-                                                                     num_experts)
+                                                                     num_experts, block_counts)
         return RouteLayout(gather_ids, sorted_probs, offsets)
     return RouteLayout(*sort_routes_reference(probs, indices, num_experts))
 
@@ -284,35 +320,55 @@ def _path(backend: str, values: torch.Tensor, op: str, name: str) -> str:
 # implementations for torch.compile, and autograd attached to the op.
 
 
+def _counts_shape(H, S, E, top_k: int, with_counts: bool) -> tuple:
+    """Shape of the block counts a routing op returns: [H, NB, E], or [0] without."""
+    if not with_counts:
+        return (0,)
+    from .kernels.routing import layout_block_t
+
+    T = layout_block_t(top_k)
+    return (H, (S + T - 1) // T, E)  # cdiv, written out: S may be symbolic in a compile
+
+
 @torch.library.custom_op("mhmoe::route_triton", mutates_args=())
 def _route_triton_op(logits: torch.Tensor, top_k: int, score_func: str,
                      expert_bias: torch.Tensor | None, route_norm: bool, norm_eps: float,
-                     route_scale: float, num_groups: int,
-                     topk_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
-    from .kernels.routing import triton_route
+                     route_scale: float, num_groups: int, topk_groups: int,
+                     with_counts: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(probs, indices, counts): counts [H, NB, E] int32, the layout's block counts
+    (`triton_route`'s count_block_t = layout_block_t(top_k)) if with_counts, else an
+    empty [0] int32 tensor."""
+    from .kernels.routing import layout_block_t, triton_route
 
+    if not with_counts:
+        probs, indices = triton_route(logits, top_k, score_func, expert_bias, route_norm,
+                                      norm_eps, route_scale, num_groups, topk_groups)
+        return probs, indices, indices.new_empty(0, dtype=torch.int32)
     return triton_route(logits, top_k, score_func, expert_bias, route_norm, norm_eps,
-                        route_scale, num_groups, topk_groups)
+                        route_scale, num_groups, topk_groups,
+                        count_block_t=layout_block_t(top_k))
 
 
 @_route_triton_op.register_fake
 def _route_triton_fake(logits, top_k, score_func, expert_bias, route_norm, norm_eps,
-                       route_scale, num_groups, topk_groups):
-    H, S, _ = logits.shape
+                       route_scale, num_groups, topk_groups, with_counts=False):
+    H, S, E = logits.shape
     return (logits.new_empty((H, S, top_k), dtype=torch.float32),
-            logits.new_empty((H, S, top_k), dtype=torch.int64))
+            logits.new_empty((H, S, top_k), dtype=torch.int64),
+            logits.new_empty(_counts_shape(H, S, E, top_k, with_counts), dtype=torch.int32))
 
 
 def _route_setup_context(ctx, inputs, output):
-    logits, _, score_func, _, route_norm, norm_eps, route_scale, _, _ = inputs
+    logits, _, score_func, _, route_norm, norm_eps, route_scale = inputs[:7]
     ctx.save_for_backward(logits, output[1])
     ctx.options = (score_func, route_norm, norm_eps, route_scale)
 
 
-def _route_backward(ctx, grad_probs, grad_indices):
+def _route_backward(ctx, grad_probs, grad_indices, grad_counts):
     logits, indices = ctx.saved_tensors
     grad_logits = route_probs_backward(logits.float(), indices, grad_probs, *ctx.options)
-    return grad_logits.to(logits.dtype), None, None, None, None, None, None, None, None
+    return grad_logits.to(logits.dtype), None, None, None, None, None, None, None, None, None
 
 
 _route_triton_op.register_autograd(_route_backward, setup_context=_route_setup_context)
@@ -322,38 +378,44 @@ _route_triton_op.register_autograd(_route_backward, setup_context=_route_setup_c
 def _logits_route_triton_op(x_heads: torch.Tensor, gate: torch.Tensor, top_k: int,
                             score_func: str, expert_bias: torch.Tensor | None, route_norm: bool,
                             norm_eps: float, route_scale: float, num_groups: int,
-                            topk_groups: int, save_logits: bool
-                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(probs, indices, logits): logits [H, S, E] fp32 if save_logits (what the
-    backward needs), else an empty [0] tensor."""
-    from .kernels.routing import triton_logits_route
+                            topk_groups: int, save_logits: bool, with_counts: bool = False
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(probs, indices, logits, counts): logits [H, S, E] fp32 if save_logits (what
+    the backward needs), else an empty [0] tensor; counts as `mhmoe::route_triton`'s."""
+    from .kernels.routing import layout_block_t, triton_logits_route
 
-    probs, indices, logits = triton_logits_route(
+    out = triton_logits_route(
         x_heads, gate, top_k, score_func, expert_bias, route_norm, norm_eps, route_scale,
-        num_groups, topk_groups, return_logits=save_logits)
+        num_groups, topk_groups, return_logits=save_logits,
+        count_block_t=layout_block_t(top_k) if with_counts else None)
+    probs, indices, logits = out[:3]
     if logits is None:
         logits = probs.new_empty(0)
-    return probs, indices, logits
+    counts = out[3] if with_counts else indices.new_empty(0, dtype=torch.int32)
+    return probs, indices, logits, counts
 
 
 @_logits_route_triton_op.register_fake
 def _logits_route_triton_fake(x_heads, gate, top_k, score_func, expert_bias, route_norm,
-                              norm_eps, route_scale, num_groups, topk_groups, save_logits):
+                              norm_eps, route_scale, num_groups, topk_groups, save_logits,
+                              with_counts=False):
     S, H, _ = x_heads.shape
     E = gate.shape[1]
     return (x_heads.new_empty((H, S, top_k), dtype=torch.float32),
             x_heads.new_empty((H, S, top_k), dtype=torch.int64),
-            x_heads.new_empty((H, S, E) if save_logits else (0,), dtype=torch.float32))
+            x_heads.new_empty((H, S, E) if save_logits else (0,), dtype=torch.float32),
+            x_heads.new_empty(_counts_shape(H, S, E, top_k, with_counts), dtype=torch.int32))
 
 
 def _logits_route_setup_context(ctx, inputs, output):
-    x_heads, gate, _, score_func, _, route_norm, norm_eps, route_scale, _, _, save_logits = inputs
+    x_heads, gate, _, score_func, _, route_norm, norm_eps, route_scale, _, _, save_logits = \
+        inputs[:11]
     ctx.save_for_backward(x_heads, gate, output[2], output[1])
     ctx.options = (score_func, route_norm, norm_eps, route_scale)
     ctx.saved_logits = save_logits
 
 
-def _logits_route_backward(ctx, grad_probs, grad_indices, grad_logits):
+def _logits_route_backward(ctx, grad_probs, grad_indices, grad_logits, grad_counts):
     x_heads, gate, logits, indices = ctx.saved_tensors
     if not ctx.saved_logits:
         raise RuntimeError("mhmoe::logits_route_triton: backward of a call made with "
@@ -363,7 +425,7 @@ def _logits_route_backward(ctx, grad_probs, grad_indices, grad_logits):
     if grad_logits is not None:
         grad = grad + grad_logits
     grad_x, grad_gate = _router_logits_backward(grad, x_heads, gate, *ctx.needs_input_grad[:2])
-    return grad_x, grad_gate, None, None, None, None, None, None, None, None, None
+    return grad_x, grad_gate, None, None, None, None, None, None, None, None, None, None
 
 
 _logits_route_triton_op.register_autograd(_logits_route_backward,
@@ -372,19 +434,21 @@ _logits_route_triton_op.register_autograd(_logits_route_backward,
 
 @torch.library.custom_op("mhmoe::sort_routes_triton", mutates_args=())
 def _sort_routes_triton_op(
-    probs: torch.Tensor, indices: torch.Tensor, num_experts: int
+    probs: torch.Tensor, indices: torch.Tensor, num_experts: int,
+    block_counts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sorted_probs, gather_ids, offsets, positions): the float output first, as
-    torch.library's op checks expect."""
+    torch.library's op checks expect. block_counts: a routing op's counts of these
+    indices (at layout_block_t(K)), which replace the layout's count step."""
     from .kernels.routing import triton_sort_routes
 
     gather_ids, sorted_probs, offsets, positions = triton_sort_routes(
-        probs, indices, num_experts, return_positions=True)
+        probs, indices, num_experts, block_counts=block_counts, return_positions=True)
     return sorted_probs, gather_ids, offsets, positions
 
 
 @_sort_routes_triton_op.register_fake
-def _sort_routes_triton_fake(probs, indices, num_experts):
+def _sort_routes_triton_fake(probs, indices, num_experts, block_counts=None):
     H, S, K = indices.shape
     R = H * S * K
     return (probs.new_empty(R, dtype=torch.float32), indices.new_empty(R, dtype=torch.int32),
@@ -402,10 +466,10 @@ def _sort_routes_backward(ctx, grad_sorted, grad_gather, grad_offsets, grad_posi
     (positions,) = ctx.saved_tensors
     shape, dtype = ctx.probs_meta
     if grad_sorted is None:
-        return None, None, None
+        return None, None, None, None
     # sorted_probs[positions] == probs.flatten(): the backward is that gather.
     grad_probs = grad_sorted[positions.to(torch.int64)].view(shape).to(dtype)
-    return grad_probs, None, None
+    return grad_probs, None, None, None
 
 
 _sort_routes_triton_op.register_autograd(_sort_routes_backward,
