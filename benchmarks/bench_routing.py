@@ -105,8 +105,9 @@ FUSED_SWEEP = (
 COUNT_SWEEP = ((8, 8, 4), (64, 8, 2), (64, 8, 4), (64, 8, 8), (32, 8, 2), (128, 8, 2),
                (64, 4, 2), (16, 8, 2))
 # The ranking scatter (ranks="scatter"): (tokens a block, routes a step, warps); the first
-# is the default. The block size is also the route kernel's count block.
-RANK_SWEEP = ((64, 32, 1), (64, 16, 1), (64, 64, 1), (64, 64, 2), (32, 32, 1), (128, 32, 1),
+# is the default (64 routes on 2 warps since routing v6; 32 on one warp before). The block
+# size is also the route kernel's count block.
+RANK_SWEEP = ((64, 64, 2), (64, 32, 1), (64, 16, 1), (64, 64, 1), (32, 32, 1), (128, 32, 1),
               (128, 64, 2), (16, 32, 1))
 # The scan: (blocks a step, experts a program, warps); the first is the default.
 SCAN_SWEEP = ((512, 8, 4), (128, 8, 4), (256, 8, 4), (512, 4, 4), (512, 16, 8), (512, 8, 8))
@@ -457,7 +458,7 @@ def sweep_counts_path(st: Setup, S, x, gate, bias, p, i, bench) -> list[dict]:
         rows.append({"what": "sweep_rank_scatter", "S": S, "block_t": bt, "chunk": chunk,
                      "warps": nw, "rank_scatter_ms": ms, "layout_from_counts_ms": whole})
         print(f"sweep rank scatter block_t={bt} chunk={chunk} warps={nw}: {ms:.4f} ms, layout "
-              f"from counts (1 warp) {whole:.4f} ms", flush=True)
+              f"from counts {whole:.4f} ms", flush=True)
     for bb, ec, nw in SCAN_SWEEP:
         ms = bench(lambda bb=bb, ec=ec, nw=nw: R._layout_scan(counts, ec, bb, nw), [()])
         rows.append({"what": "sweep_scan", "S": S, "block_b": bb, "block_ec": ec, "warps": nw,

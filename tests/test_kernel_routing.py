@@ -370,6 +370,11 @@ def test_layout_refuses_counts_it_cannot_use(rng):
         triton_sort_routes(p, i, 8, ranks="sort")
     with pytest.raises(ValueError, match="power of two"):
         triton_route(torch.randn(2, 10, 8, device=DEVICE), 2, count_block_t=6)
+    # past int32 route indices: refused before anything is allocated (stride-0 views)
+    huge = (1, 2**29, 4)
+    with pytest.raises(ValueError, match="int32"):
+        triton_sort_routes(torch.zeros(1, 1, 1).expand(huge),
+                           torch.zeros(1, 1, 1, dtype=torch.int64).expand(huge), 8)
     # edge: S = 0, counts [H, 0, E]; the layout of no routes
     p, i, counts = triton_route(torch.empty(2, 0, 8, device=DEVICE), 2, count_block_t=4)
     assert counts.shape == (2, 0, 8)

@@ -273,8 +273,9 @@ def sort_routes(probs: torch.Tensor, indices: torch.Tensor, num_experts: int, *,
 
     block_counts: the counts `route_tokens(..., block_counts=True)` returned with
     these very indices (or None): the Triton layout then skips its count step
-    (same layout, bitwise). Counts of other indices give a wrong layout (never
-    an out-of-bounds write); the PyTorch path ignores them.
+    (same layout, bitwise). Counts of other indices give a wrong layout, with
+    offsets past H*S*K and unwritten slots, which must not reach `expert_forward`
+    (the layout itself writes nothing out of bounds); the PyTorch path ignores them.
     """
     if indices.dim() != 3 or probs.shape != indices.shape:
         raise ValueError(f"sort_routes: probs and indices must both be [H, S, K], got "

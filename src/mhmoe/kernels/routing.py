@@ -53,8 +53,8 @@ BLOCK_T tokens of a head, in one of two ways (`ranks`):
 1. counts: from the route kernels (no launch of the layout), or without them
    from a count kernel that only counts (hist, no ranks);
 2. the scan, as above;
-3. one program per (head, block) walks the block's routes (32 at a time on the
-   GPU) with a cursor per expert (its offset in the head plus base[h, b, e]):
+3. one program per (head, block) walks the block's routes (64 at a time on two
+   warps on the GPU) with a cursor per expert (its offset in the head plus base[h, b, e]):
    a route goes to the cursor of its expert plus its rank among the step's
    earlier routes of that expert (pairwise), then the step's histogram moves
    the cursors on; the programs of block 0 write the offsets. No rank array
@@ -1004,10 +1004,12 @@ def triton_sort_routes(
     block_counts: [H, cdiv(S, block_t), E] int32, the routes of each expert per
     block of block_t tokens of `indices` (what `triton_route` or
     `triton_logits_route` return with count_block_t = block_t; both default to
-    `layout_block_t(K)`): the count step is skipped, three launches are left
-    (scan, then the scatter ranks each block itself; see the module docstring).
-    They must be the counts of these indices: other counts give a wrong layout
-    (every write still stays in bounds). Without block_counts, `ranks` picks the
+    `layout_block_t(K)`): the count step is skipped, two launches are left
+    (the scan, then the scatter ranks each block itself; see the module
+    docstring). They must be the counts of these indices: other counts give a
+    wrong layout (offsets past H*S*K, slots left unwritten) that must not reach
+    `expert_forward`, though every write of this function stays in bounds.
+    Without block_counts, `ranks` picks the
     steps: "count" (the default: count kernel with ranks, scan, offsets, scatter;
     four launches) or "scatter" (a count kernel without ranks, scan, the ranking
     scatter; three). Both give the same layout.
@@ -1042,6 +1044,9 @@ def triton_sort_routes(
                          f"= {[H, triton.cdiv(S, block_t), E]} int32 on {indices.device}, got "
                          f"{list(block_counts.shape)} {block_counts.dtype} on "
                          f"{block_counts.device}")
+    if H * S * K >= 2**31:
+        raise ValueError(f"triton_sort_routes: H*S*K = {H * S * K} routes; the layout "
+                         f"indexes routes in int32 (at most 2**31 - 1)")
     device = indices.device
     gather_ids = torch.empty(H * S * K, device=device, dtype=torch.int32)
     sorted_probs = torch.empty(H * S * K, device=device, dtype=torch.float32)
