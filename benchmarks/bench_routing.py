@@ -100,6 +100,20 @@ FUSED_SWEEP = (
                       split=True),
     LogitsRouteConfig(block_s=64, block_d=64, num_warps=4, num_stages=3, from_tile=False,
                       split=True),
+    # Two programs an SM, so that one's logits store overlaps the other's dots (sm_90
+    # compile-only, logits stored in two column halves: 64/32/4/2 70 KB of shared memory
+    # and 176 registers a thread, 64/32/4/3 107 KB; 128/32/8/2 74 KB but 174 registers
+    # on 8 warps, so one program an SM). Not measured yet; the default, half_stores.
+    LogitsRouteConfig(block_s=64, block_d=32, num_warps=4, num_stages=2, from_tile=False,
+                      split=True, half_stores=True),
+    LogitsRouteConfig(block_s=64, block_d=32, num_warps=4, num_stages=3, from_tile=False,
+                      split=True, half_stores=True),
+    LogitsRouteConfig(block_s=64, block_d=16, num_warps=4, num_stages=4, from_tile=False,
+                      split=True, half_stores=True),
+    LogitsRouteConfig(block_s=128, block_d=32, num_warps=8, num_stages=2, from_tile=False,
+                      split=True, half_stores=True),
+    LogitsRouteConfig(block_s=128, block_d=64, num_warps=8, num_stages=2, from_tile=False,
+                      split=True, half_stores=True),
 )
 # Layout count step: (tokens a block, tokens a sub-block, warps); (8, 8, 4) was v3's.
 COUNT_SWEEP = ((8, 8, 4), (64, 8, 2), (64, 8, 4), (64, 8, 8), (32, 8, 2), (128, 8, 2),
@@ -341,7 +355,8 @@ def check_route_layout(st: Setup, gen: torch.Generator) -> dict:
 
 def tag(cfg: LogitsRouteConfig) -> str:
     return (f"s{cfg.block_s}_d{cfg.block_d}_w{cfg.num_warps}_st{cfg.num_stages}"
-            f"{'_split' if cfg.split else '_tile' if cfg.from_tile else '_mem'}")
+            f"{'_split' if cfg.split else '_tile' if cfg.from_tile else '_mem'}"
+            f"{'_half' if cfg.half_stores else ''}")
 
 
 def make_bench(st: Setup):
@@ -573,7 +588,7 @@ def compile_only(args) -> None:
                           ROUTE_NORM=True, NUM_GROUPS=1, TOPK_GROUPS=1, BLOCK_S=cfg.block_s,
                           BLOCK_D=cfg.block_d, BLOCK_K=BK, BLOCK_G=1, WRITE_LOGITS=write,
                           FROM_TILE=cfg.from_tile, INTERPRET=False, ROUTE=not cfg.split,
-                          COUNT_T=count_t)
+                          COUNT_T=count_t, HALF_STORES=cfg.half_stores)
                 info = sm90_compile(fn, sig, cx, cfg.num_warps, cfg.num_stages)
                 print(f"logits{'' if cfg.split else '+route'} {tag(cfg)} write_logits={write} "
                       f"count_t={count_t}: {info}", flush=True)

@@ -533,6 +533,14 @@ def test_fused_tile_choice_does_not_change_results(rng, config):
                                        bias.to(DEVICE), True, 1e-12, 4.9, config=config,
                                        return_logits=True)
     assert torch.equal(logits3, logits)
+    # split with the logits stored in two column halves: the same values, in place
+    half = LogitsRouteConfig(config.block_s, config.block_d, config.num_warps, 1, False,
+                             split=True, half_stores=True)
+    p4, i4, logits4 = triton_logits_route(x.to(DEVICE), gate.to(DEVICE), 6, "sigmoid",
+                                          bias.to(DEVICE), True, 1e-12, 4.9, config=half,
+                                          return_logits=True)
+    assert torch.equal(logits4, logits)
+    assert torch.equal(p4.cpu(), p) and torch.equal(i4.cpu(), i)
 
 
 # numpy warns on the interpreter's inf - inf of NaN rows (NaN, as in torch)

@@ -406,7 +406,7 @@ def _logits_route_kernel(
     TOPK_GROUPS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr, WRITE_LOGITS: tl.constexpr,
     FROM_TILE: tl.constexpr, INTERPRET: tl.constexpr, ROUTE: tl.constexpr = True,
-    COUNT_T: tl.constexpr = 0,
+    COUNT_T: tl.constexpr = 0, HALF_STORES: tl.constexpr = False,
 ):
     """Router logits and top-k routing of BLOCK_S tokens of one head, in one pass.
 
@@ -466,7 +466,16 @@ def _logits_route_kernel(
     # int64: H * S * E passes 2**31 at long sequences.
     row_base = logits_ptr + (h.to(tl.int64) * S + rows.to(tl.int64)) * E
     if not ROUTE:
-        tl.store(row_base[:, None] + tl.arange(0, E)[None, :], acc, mask=row_ok[:, None])
+        if HALF_STORES and E >= 32:
+            # Two stores of half the columns: the layout change before each store goes
+            # through half the shared memory (in the wgmma layout a thread holds columns
+            # of both halves, so the split itself moves nothing).
+            lo, hi = acc.reshape(BLOCK_S, 2, E // 2).permute(0, 2, 1).split()
+            half = tl.arange(0, E // 2)
+            tl.store(row_base[:, None] + half[None, :], lo, mask=row_ok[:, None])
+            tl.store(row_base[:, None] + (E // 2 + half)[None, :], hi, mask=row_ok[:, None])
+        else:
+            tl.store(row_base[:, None] + tl.arange(0, E)[None, :], acc, mask=row_ok[:, None])
         if COUNT_T > 0:
             # Block j of the counts is cleared by the program whose tile holds token j * COUNT_T.
             NJ: tl.constexpr = (BLOCK_S + COUNT_T - 1) // COUNT_T  # powers of two: >= 1
@@ -974,8 +983,8 @@ def triton_logits_route(
         TOPK_GROUPS=topk_groups, BLOCK_S=cfg.block_s, BLOCK_D=block_d,
         BLOCK_K=triton.next_power_of_2(top_k), BLOCK_G=triton.next_power_of_2(num_groups),
         WRITE_LOGITS=write_logits, FROM_TILE=cfg.from_tile, INTERPRET=_interpreting(),
-        ROUTE=not cfg.split, COUNT_T=count_t, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        ROUTE=not cfg.split, COUNT_T=count_t, HALF_STORES=cfg.half_stores,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if cfg.split:
         _launch_route(logits, top_k, score_func, expert_bias, route_norm, norm_eps, route_scale,
