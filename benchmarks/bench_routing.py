@@ -452,8 +452,9 @@ def sweep_counts_path(st: Setup, S, x, gate, bias, p, i, bench) -> list[dict]:
         "fused_counting": lambda: fused(st, x, gate, bias, count_block_t=T),
         "hist (ranks=scatter, no counts)": lambda: R._layout_hist(i, st.E, T),
         "scan": lambda: R._layout_scan(counts),
+        # the default chunk and warps (RANK_SWEEP's first entry)
         "rank_scatter": lambda: R._layout_rank_scatter(i, p, base, totals, offsets, gid, sp, pos,
-                                                       T, 32),
+                                                       T, *RANK_SWEEP[0][1:]),
         "layout_from_counts": lambda: triton_sort_routes(p, i, st.E, block_counts=counts),
         "layout_ranks_scatter": lambda: triton_sort_routes(p, i, st.E, ranks="scatter"),
         "layout_ranks_count": lambda: triton_sort_routes(p, i, st.E),
@@ -683,7 +684,8 @@ def main() -> None:
           "still writes them as scratch for its gather), _with_logits: returned (grad "
           "mode); totals add the layout; _graph: CUDA-graph replay; _counting: the route "
           "kernels also count each expert's routes per 64-token block; layout_from_counts: "
-          "the layout from those counts (no count step); fused_total_counts: the two")
+          "the layout from those counts (no count step); fused_total_counts: the two "
+          "together, logits + route counting, then the layout from the counts")
     print(f"{'S':>6} " + " ".join(f"{c:>24}" for c in cols))
     for r in table:
         print(f"{r['S']:>6} " + " ".join(f"{r[c]:>24.4f}" for c in cols))

@@ -178,9 +178,9 @@ class LogitsRouteConfig:
                 (ROUTE=False), then `_route_kernel` routes them (its own tiles):
                 each part runs at its own occupancy, for 4 bytes per score
                 written and read again. from_tile is then unused.
-    half_stores: with split, store the logits tile as two halves of its columns,
-                so the layout change before the stores takes half the shared
-                memory (the same values are written).
+    half_stores: with split and E >= 32, store the logits tile as two halves of
+                its columns, so the layout change before the stores takes half
+                the shared memory (the same values are written).
     """
 
     block_s: int

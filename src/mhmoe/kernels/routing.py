@@ -802,9 +802,7 @@ def triton_route(
     indices = torch.empty(H, S, top_k, device=device, dtype=torch.int64)
     counts = None
     if count_block_t is not None:
-        _check_power_of_two("triton_route", "count_block_t", count_block_t)
-        counts = torch.zeros(H, triton.cdiv(S, count_block_t), E, device=device,
-                             dtype=torch.int32)
+        counts = _new_block_counts("triton_route", H, S, E, count_block_t, device, zeroed=True)
     if H and S:
         _launch_route(logits, top_k, score_func, expert_bias, route_norm, norm_eps, route_scale,
                       num_groups, topk_groups, probs, indices, counts, count_block_t or 0,
@@ -834,6 +832,15 @@ def _launch_route(logits, top_k, score_func, expert_bias, route_norm, norm_eps, 
         BLOCK_G=triton.next_power_of_2(num_groups), ITERS=ITERS, INTERPRET=_interpreting(),
         COUNT_T=count_t if counts is not None else 0, num_warps=warps,
     )
+
+
+def _new_block_counts(op: str, H: int, S: int, E: int, block_t: int, device,
+                      zeroed: bool) -> torch.Tensor:
+    """The [H, cdiv(S, block_t), E] int32 per-block expert counts a route launch fills
+    (zeroed here, or left for the kernel to zero)."""
+    _check_power_of_two(op, "count_block_t", block_t)
+    return (torch.zeros if zeroed else torch.empty)(H, triton.cdiv(S, block_t), E,
+                                                    device=device, dtype=torch.int32)
 
 
 def _check_power_of_two(op: str, name: str, value: int) -> None:
@@ -954,10 +961,9 @@ def triton_logits_route(
         else probs  # a placeholder pointer, never written
     counts = None
     if count_block_t is not None:
-        _check_power_of_two("triton_logits_route", "count_block_t", count_block_t)
         # split: zeroed by the logits kernel (one launch less); fused: the kernel adds.
-        counts = (torch.empty if cfg.split and H and S else torch.zeros)(
-            H, triton.cdiv(S, count_block_t), E, device=device, dtype=torch.int32)
+        counts = _new_block_counts("triton_logits_route", H, S, E, count_block_t, device,
+                                   zeroed=not (cfg.split and H and S))
     out = (probs, indices, logits if return_logits else None)
     out = out if counts is None else (*out, counts)
     if H == 0 or S == 0:
@@ -1083,7 +1089,7 @@ def triton_sort_routes(
         base, totals = _layout_scan(hist)
         offsets = torch.empty(H * E + 1, device=device, dtype=torch.int64)
         _layout_rank_scatter(indices, probs, base, totals, offsets, gather_ids, sorted_probs,
-                             positions, block_t, chunk, num_warps=max(1, min(4, chunk // 32)))
+                             positions, block_t, chunk)
         return (gather_ids, sorted_probs, offsets, *extra)
     if sub_t is None:
         # The pairwise rank tile is [SUB_T * BLOCK_K]^2: 64 route slots (measured best of
@@ -1162,9 +1168,11 @@ def _layout_hist(indices, E, block_t, num_warps=4):
 
 
 def _layout_rank_scatter(indices, probs, base, totals, offsets, gather_ids, sorted_probs,
-                         positions, block_t, chunk, num_warps=1):
+                         positions, block_t, chunk, num_warps=None):
     H, S, K = indices.shape
     NB, E = base.shape[1:]
+    if num_warps is None:
+        num_warps = max(1, min(4, chunk // 32))  # a warp's lane a route of the step
     _layout_rank_scatter_kernel[(NB, H)](
         indices, probs, base, totals, offsets, gather_ids, sorted_probs, positions, S, NB,
         E=E, TOP_K=K, BLOCK_T=block_t, BLOCK_R=chunk, BLOCK_E=triton.next_power_of_2(E),
