@@ -3,6 +3,7 @@
     PYTHONPATH=src python3 benchmarks/bench_routing.py --out $OUT/routing_v6.json
     PYTHONPATH=src python3 benchmarks/bench_routing.py --cpu --out /tmp/routing_cpu.json
     PYTHONPATH=src python3 benchmarks/bench_routing.py --compile-only
+    PYTHONPATH=src python3 benchmarks/bench_routing.py --split-sweep --out $OUT/split.json
 
 Steps, in order (GPU): device-copy and bf16 8192^3 matmul peaks; checks at
 S=4096: the fused logits + route kernel against `route_reference` on torch's
@@ -31,7 +32,10 @@ new ("fused_total_counts": logits + route counting, then scan + ranking
 scatter), eager and replayed from a CUDA graph.
 
 --cpu: the same steps on the CPU under the Triton interpreter at toy sizes (a
-dry run of the script, numbers meaningless). --compile-only: compile the
+dry run of the script, numbers meaningless). --split-sweep: the peaks, then only
+the split tiles of FUSED_SWEEP at S=32768 as the layer runs them (logits + route
+with counts, and with the layout from the counts), each checked bitwise against
+its K step's whole-tile store and against float64's routing. --compile-only: compile the
 fused kernel's sweep tiles and the route and layout kernels for sm_90 on this
 machine (no GPU needed) and print registers, spills and shared memory (ptxas -v).
 """
@@ -82,8 +86,10 @@ class Setup:
 CPU_SETUP = Setup(H=2, E=256, K=6, D=64, device="cpu", sizes=(64, 128), check_s=128,
                   sweep_s=128)
 
-# Tiles swept at S = 32768 (the first is the sm_90 default of kernels/routing.py).
+# Tiles swept at S = 32768 (the first is the sm_90 default of kernels/configs.py).
 FUSED_SWEEP = (
+    LogitsRouteConfig(block_s=128, block_d=32, num_warps=4, num_stages=3, from_tile=False,
+                      split=True, half_stores=True, block_e=128),
     LogitsRouteConfig(block_s=64, block_d=32, num_warps=4, num_stages=3, from_tile=False),
     LogitsRouteConfig(block_s=64, block_d=32, num_warps=4, num_stages=2, from_tile=False),
     LogitsRouteConfig(block_s=64, block_d=64, num_warps=4, num_stages=2, from_tile=False),
@@ -96,14 +102,13 @@ FUSED_SWEEP = (
                       split=True),
     LogitsRouteConfig(block_s=128, block_d=32, num_warps=8, num_stages=3, from_tile=False,
                       split=True),
-    LogitsRouteConfig(block_s=128, block_d=64, num_warps=8, num_stages=3, from_tile=False,
-                      split=True),
     LogitsRouteConfig(block_s=64, block_d=64, num_warps=4, num_stages=3, from_tile=False,
                       split=True),
     # Two programs an SM, so that one's logits store overlaps the other's dots (sm_90
     # compile-only, logits stored in two column halves: 64/32/4/2 70 KB of shared memory
     # and 176 registers a thread, 64/32/4/3 107 KB; 128/32/8/2 74 KB but 174 registers
-    # on 8 warps, so one program an SM). Not measured yet; the default, half_stores.
+    # on 8 warps, so one program an SM). Routing v7: 64/32/4/3 0.717 ms against 0.736 for
+    # the v6 default (route + counts at S=32768), the others slower (NOTES.md).
     LogitsRouteConfig(block_s=64, block_d=32, num_warps=4, num_stages=2, from_tile=False,
                       split=True, half_stores=True),
     LogitsRouteConfig(block_s=64, block_d=32, num_warps=4, num_stages=3, from_tile=False,
@@ -114,6 +119,27 @@ FUSED_SWEEP = (
                       split=True, half_stores=True),
     LogitsRouteConfig(block_s=128, block_d=64, num_warps=8, num_stages=2, from_tile=False,
                       split=True, half_stores=True),
+    # Fewer experts a program (block_e): 128 tokens x 128 experts read as many weight bytes
+    # per token as 128 x 256 tiles (the parts are 393 KB a head, read from L2 by every
+    # program) with the registers and shared memory of 64 x 256 ones: two programs an SM.
+    LogitsRouteConfig(block_s=128, block_d=64, num_warps=4, num_stages=2, from_tile=False,
+                      split=True, half_stores=True, block_e=128),
+    LogitsRouteConfig(block_s=128, block_d=32, num_warps=8, num_stages=3, from_tile=False,
+                      split=True, half_stores=True, block_e=128),
+    LogitsRouteConfig(block_s=256, block_d=32, num_warps=8, num_stages=3, from_tile=False,
+                      split=True, half_stores=True, block_e=128),
+    LogitsRouteConfig(block_s=128, block_d=64, num_warps=4, num_stages=3, from_tile=False,
+                      split=True, half_stores=True, block_e=64),
+    LogitsRouteConfig(block_s=256, block_d=32, num_warps=4, num_stages=3, from_tile=False,
+                      split=True, half_stores=True, block_e=64),
+    LogitsRouteConfig(block_s=64, block_d=32, num_warps=4, num_stages=4, from_tile=False,
+                      split=True, half_stores=True, block_e=128),
+    LogitsRouteConfig(block_s=64, block_d=32, num_warps=4, num_stages=3, from_tile=False,
+                      split=True, half_stores=True, block_e=128),
+    LogitsRouteConfig(block_s=128, block_d=32, num_warps=8, num_stages=2, from_tile=False,
+                      split=True, half_stores=True, block_e=128),
+    LogitsRouteConfig(block_s=256, block_d=32, num_warps=8, num_stages=3, from_tile=False,
+                      split=True, half_stores=True, block_e=64),
 )
 # Layout count step: (tokens a block, tokens a sub-block, warps); (8, 8, 4) was v3's.
 COUNT_SWEEP = ((8, 8, 4), (64, 8, 2), (64, 8, 4), (64, 8, 8), (32, 8, 2), (128, 8, 2),
@@ -356,7 +382,7 @@ def check_route_layout(st: Setup, gen: torch.Generator) -> dict:
 def tag(cfg: LogitsRouteConfig) -> str:
     return (f"s{cfg.block_s}_d{cfg.block_d}_w{cfg.num_warps}_st{cfg.num_stages}"
             f"{'_split' if cfg.split else '_tile' if cfg.from_tile else '_mem'}"
-            f"{'_half' if cfg.half_stores else ''}")
+            f"{'_half' if cfg.half_stores else ''}{f'_e{cfg.block_e}' if cfg.block_e else ''}")
 
 
 def make_bench(st: Setup):
@@ -430,6 +456,45 @@ def sweep(st: Setup, gen: torch.Generator, bench) -> list[dict]:
         print(f"sort step {name}: {ms:.4f} ms", flush=True)
     rows += sweep_counts_path(st, S, x, gate, bias, p, i, bench)
     return rows
+
+
+def split_sweep(st: Setup, gen: torch.Generator, bench) -> list[dict]:
+    """--split-sweep: the split tiles of FUSED_SWEEP at S = sweep_s as the layer runs them
+    (logits + route counting, then the layout from the counts). Each is checked bitwise
+    against its own tiles storing logits whole and routing with the default rows (other
+    K steps round the logits differently), and against float64's routing."""
+    from dataclasses import replace
+
+    S = st.sweep_s
+    T = R.layout_block_t(st.K)
+    sets = [make_inputs(st, S, gen) for _ in range(2)]
+    x, gate, bias = sets[0]
+    logits64 = logits_gemm(st, x, gate, torch.float64)
+    rows = []
+    for cfg in [c for c in FUSED_SWEEP if c.split]:
+        row = {"what": "split_sweep", "S": S, **asdict(cfg)}
+        try:
+            got = fused(st, x, gate, bias, config=cfg, count_block_t=T)
+            plain = replace(cfg, half_stores=False, block_e=None, block_s=64, num_warps=4,
+                            num_stages=2)
+            base = fused(st, x, gate, bias, config=plain, count_block_t=T)
+            row["equal_plain_store"] = same((got[0], got[1], got[3]),
+                                            (base[0], base[1], base[3]))
+            row["vs_float64"] = compare(st, got[0], got[1], logits64, bias, "sigmoid")
+            row["route_counting_ms"] = bench(lambda x, g, b, c=cfg: fused(
+                st, x, g, b, config=c, count_block_t=T), sets)
+            row["route_layout_ms"] = bench(lambda x, g, b, c=cfg: _total(st, x, g, b, c, T),
+                                           sets)
+        except Exception as err:  # an out-of-resources tile must not end the run
+            row["error"] = f"{type(err).__name__}: {err}"[:300]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def _total(st: Setup, x, gate, bias, cfg, T):
+    p, i, _, c = fused(st, x, gate, bias, config=cfg, count_block_t=T)
+    return triton_sort_routes(p, i, st.E, block_counts=c)
 
 
 def sweep_counts_path(st: Setup, S, x, gate, bias, p, i, bench) -> list[dict]:
@@ -579,8 +644,9 @@ def compile_only(args) -> None:
     for cfg in FUSED_SWEEP:
         for write in sorted({not cfg.from_tile, True}):
             for count_t in (0, T):
+                bn = min(cfg.block_e or st.E, st.E) if cfg.split else st.E
                 sig = {"x_desc": f"tensordesc<bf16[{cfg.block_s}, 1, {cfg.block_d}]>",
-                       "w_desc": f"tensordesc<bf16[{st.E}, {cfg.block_d}]>",
+                       "w_desc": f"tensordesc<bf16[{bn}, {cfg.block_d}]>",
                        "logits_ptr": "*fp32", "bias_ptr": "*fp32", "probs_ptr": "*fp32",
                        "indices_ptr": "*i64", "counts_ptr": "*i32", "S": "i32", "H": "i32",
                        "NB": "i32", "group_size": "i32", "norm_eps": "fp32",
@@ -589,7 +655,8 @@ def compile_only(args) -> None:
                           ROUTE_NORM=True, NUM_GROUPS=1, TOPK_GROUPS=1, BLOCK_S=cfg.block_s,
                           BLOCK_D=cfg.block_d, BLOCK_K=BK, BLOCK_G=1, WRITE_LOGITS=write,
                           FROM_TILE=cfg.from_tile, INTERPRET=False, ROUTE=not cfg.split,
-                          COUNT_T=count_t, HALF_STORES=cfg.half_stores)
+                          COUNT_T=count_t, HALF_STORES=cfg.half_stores,
+                          BLOCK_N=min(cfg.block_e or st.E, st.E) if cfg.split else st.E)
                 info = sm90_compile(fn, sig, cx, cfg.num_warps, cfg.num_stages)
                 print(f"logits{'' if cfg.split else '+route'} {tag(cfg)} write_logits={write} "
                       f"count_t={count_t}: {info}", flush=True)
@@ -641,6 +708,8 @@ def main() -> None:
     parser.add_argument("--out", default="routing.json")
     parser.add_argument("--sizes", default=None, help="comma-separated S (default: 1K..32K)")
     parser.add_argument("--no-sweep", action="store_true")
+    parser.add_argument("--split-sweep", action="store_true",
+                        help="only the peaks and the split tiles at S = 32768 (the layer's path)")
     parser.add_argument("--cpu", action="store_true",
                         help="dry run on the CPU (Triton interpreter, toy sizes)")
     parser.add_argument("--compile-only", action="store_true",
@@ -664,6 +733,11 @@ def main() -> None:
         print(f"{meta['env']['device']}  torch {meta['env']['torch']}  triton "
               f"{meta['env']['triton']}  copy {meta['copy_TBps']:.2f} TB/s  bf16 matmul "
               f"{meta['matmul_bf16_TFLOPs']:.0f} TFLOP/s", flush=True)
+    if args.split_sweep:
+        rows = split_sweep(st, gen, make_bench(st))
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        return
     meta["check_fused"] = check_fused(st, gen)
     print("check fused:", json.dumps(meta["check_fused"]), flush=True)
     meta["check_route_layout"] = check_route_layout(st, gen)

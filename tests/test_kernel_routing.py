@@ -541,6 +541,16 @@ def test_fused_tile_choice_does_not_change_results(rng, config):
                                           return_logits=True)
     assert torch.equal(logits4, logits)
     assert torch.equal(p4.cpu(), p) and torch.equal(i4.cpu(), i)
+    # split, a program computing a quarter or half of the experts, whole or in halves:
+    # the same dot products, each logit written once, in place
+    for block_e, halves in ((16, False), (32, True)):
+        part = LogitsRouteConfig(config.block_s, config.block_d, config.num_warps, 1, False,
+                                 split=True, half_stores=halves, block_e=block_e)
+        p5, i5, logits5 = triton_logits_route(x.to(DEVICE), gate.to(DEVICE), 6, "sigmoid",
+                                              bias.to(DEVICE), True, 1e-12, 4.9, config=part,
+                                              return_logits=True)
+        assert torch.equal(logits5, logits)
+        assert torch.equal(p5.cpu(), p) and torch.equal(i5.cpu(), i)
 
 
 # numpy warns on the interpreter's inf - inf of NaN rows (NaN, as in torch)
@@ -582,6 +592,9 @@ def test_fused_route_nan_and_inf(rng):
                        split=True), 8),
     (LogitsRouteConfig(block_s=16, block_d=32, num_warps=4, num_stages=1, from_tile=False,
                        split=True), 64),
+    # split over the experts too: each program zeroes its own columns of the count rows
+    (LogitsRouteConfig(block_s=32, block_d=32, num_warps=4, num_stages=1, from_tile=False,
+                       split=True, half_stores=True, block_e=16), 8),
 ])
 def test_fused_route_counts(rng, config, count_t):
     # logits + route with counts, fused or split: the same picks as without, counts of them,
@@ -615,6 +628,17 @@ def test_fused_route_rejects_what_it_cannot_compute(rng):
             triton_logits_route(xx.to(DEVICE), gg.to(DEVICE), 2)
     with pytest.raises(ValueError, match="top_k"):
         triton_logits_route(x.to(DEVICE), gate.to(DEVICE), 17)
+
+
+def test_logits_route_config_rejects_bad_tiles():
+    with pytest.raises(ValueError, match="block_s must be a power of two"):
+        LogitsRouteConfig(block_s=48, block_d=32, num_warps=4, num_stages=1, from_tile=False)
+    with pytest.raises(ValueError, match="block_e must be a power of two"):
+        LogitsRouteConfig(block_s=64, block_d=32, num_warps=4, num_stages=1, from_tile=False,
+                          split=True, block_e=24)
+    with pytest.raises(ValueError, match="block_e needs split"):
+        LogitsRouteConfig(block_s=64, block_d=32, num_warps=4, num_stages=1, from_tile=False,
+                          block_e=64)
 
 
 def test_fused_route_empty():

@@ -181,6 +181,10 @@ class LogitsRouteConfig:
     half_stores: with split and E >= 32, store the logits tile as two halves of
                 its columns, so the layout change before the stores takes half
                 the shared memory (the same values are written).
+    block_e:    with split, the experts (columns) one program computes, a power of
+                two >= 16 (None or >= E: all E). A program reads block_e rows of the
+                weight parts: tiles of many tokens and few experts read as few weight
+                bytes per token as tiles of all experts, in fewer registers.
     """
 
     block_s: int
@@ -190,9 +194,13 @@ class LogitsRouteConfig:
     from_tile: bool
     split: bool = False
     half_stores: bool = False
+    block_e: int | None = None
 
     def __post_init__(self) -> None:
-        check_tiles(self, ("block_s", "block_d"))
+        blocks = ("block_s", "block_d") + (("block_e",) if self.block_e is not None else ())
+        check_tiles(self, blocks)
+        if self.block_e is not None and not self.split:
+            raise ValueError("LogitsRouteConfig.block_e needs split: routing takes whole rows")
 
 
 # Hopper (sm_90). Compile-only numbers for E = D = 256, K = 6 (ptxas -v, sm_90a; NOTES.md):
@@ -207,11 +215,15 @@ class LogitsRouteConfig:
 # Measured on an H200 (NOTES.md, routing v4): the one-pass kernel took 1.43-1.94 ms at
 # S=32768 over its tiles (1.77 with 64/32/4/3), no faster than cuBLAS's fp32 GEMM and the
 # route kernel (1.75). So the default splits it (`split`): the kernel as an exact-split
-# bf16 GEMM writing the logits, 128 tokens on two warpgroups, K steps of 64, 2 stages
-# (sm_90: 147 KB shared memory, 186 registers, no spills), then `_route_kernel`.
+# bf16 GEMM writing the logits, then `_route_kernel`. Since routing v7, each program
+# computes 128 tokens x 128 of the 256 experts on one warpgroup, K steps of 32, 3 stages,
+# the tile stored in two column halves (sm_90: 66 KB shared memory, 178 registers, two
+# programs an SM): logits + route with counts 0.689 ms at S=32768 against 0.734 for the
+# v5-v6 tile (128 tokens x all experts on two warpgroups, K steps of 64, 2 stages, one
+# program an SM); the sweep of 18 tiles is in NOTES.md.
 LOGITS_ROUTE_CONFIGS = {
-    (9, 0): LogitsRouteConfig(block_s=128, block_d=64, num_warps=8, num_stages=2,
-                              from_tile=False, split=True),
+    (9, 0): LogitsRouteConfig(block_s=128, block_d=32, num_warps=4, num_stages=3,
+                              from_tile=False, split=True, half_stores=True, block_e=128),
 }
 # Other CUDA GPUs (no wgmma): 8 warps keep the tile at 64 registers a thread (sm_80: no spills).
 _LOGITS_ROUTE_GENERIC = LogitsRouteConfig(block_s=64, block_d=32, num_warps=8, num_stages=2,

@@ -406,7 +406,7 @@ def _logits_route_kernel(
     TOPK_GROUPS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr, WRITE_LOGITS: tl.constexpr,
     FROM_TILE: tl.constexpr, INTERPRET: tl.constexpr, ROUTE: tl.constexpr = True,
-    COUNT_T: tl.constexpr = 0, HALF_STORES: tl.constexpr = False,
+    COUNT_T: tl.constexpr = 0, HALF_STORES: tl.constexpr = False, BLOCK_N: tl.constexpr = None,
 ):
     """Router logits and top-k routing of BLOCK_S tokens of one head, in one pass.
 
@@ -417,7 +417,8 @@ def _logits_route_kernel(
     into (no memset launch). ROUTE=True with COUNT_T > 0: the program adds its
     picks to counts itself (zeroed by the launcher), see `_route_rows`.
 
-    Launch grid: (cdiv(S, BLOCK_S), H). Program (b, h) owns tokens
+    Launch grid: (cdiv(S, BLOCK_S), H * (E // BLOCK_N)); BLOCK_N (a power of two
+    dividing E) is E unless ROUTE=False. Program (b, h) (BLOCK_N = E) owns tokens
     [b * BLOCK_S, (b + 1) * BLOCK_S) of head h: it computes their [BLOCK_S, E]
     logits tile logits[s, e] = sum_d x[s, h, d] * w[h*E + e, d] on tensor cores,
     keeps it in registers, and routes it with the same code as `_route_kernel`
@@ -450,50 +451,58 @@ def _logits_route_kernel(
     E is a power of two (the tile has no padding columns); BLOCK_D divides D.
     """
     b = tl.program_id(0)
-    h = tl.program_id(1)
+    # ROUTE=False may split the experts: program (b, h * (E // BLOCK_N) + n) owns columns
+    # [n * BLOCK_N, (n + 1) * BLOCK_N) of the tile. Routing needs whole rows: BLOCK_N == E.
+    NSPLIT: tl.constexpr = E // BLOCK_N
+    h = tl.program_id(1) // NSPLIT
+    n0 = (tl.program_id(1) % NSPLIT) * BLOCK_N
     s0 = b * BLOCK_S
-    acc = tl.zeros([BLOCK_S, E], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_S, BLOCK_N], dtype=tl.float32)
     for d0 in range(0, D, BLOCK_D):
         xt = x_desc.load([s0, h, d0]).reshape(BLOCK_S, BLOCK_D)
-        acc = _dot_exact(xt, w_desc.load([(2 * H + h) * E, d0]).T, acc, INTERPRET)
-        acc = _dot_exact(xt, w_desc.load([(H + h) * E, d0]).T, acc, INTERPRET)
+        acc = _dot_exact(xt, w_desc.load([(2 * H + h) * E + n0, d0]).T, acc, INTERPRET)
+        acc = _dot_exact(xt, w_desc.load([(H + h) * E + n0, d0]).T, acc, INTERPRET)
     for d0 in range(0, D, BLOCK_D):
         xt = x_desc.load([s0, h, d0]).reshape(BLOCK_S, BLOCK_D)
-        acc = _dot_exact(xt, w_desc.load([h * E, d0]).T, acc, INTERPRET)
+        acc = _dot_exact(xt, w_desc.load([h * E + n0, d0]).T, acc, INTERPRET)
 
     rows = s0 + tl.arange(0, BLOCK_S)
     row_ok = rows < S
     # int64: H * S * E passes 2**31 at long sequences.
-    row_base = logits_ptr + (h.to(tl.int64) * S + rows.to(tl.int64)) * E
+    row_base = logits_ptr + (h.to(tl.int64) * S + rows.to(tl.int64)) * E + n0
     if not ROUTE:
-        if HALF_STORES and E >= 32:
+        if HALF_STORES and BLOCK_N >= 32:
             # Two stores of half the columns: the layout change before each store goes
             # through half the shared memory (in the wgmma layout a thread holds columns
             # of both halves, so the split itself moves nothing).
-            lo, hi = acc.reshape(BLOCK_S, 2, E // 2).permute(0, 2, 1).split()
-            half = tl.arange(0, E // 2)
+            lo, hi = acc.reshape(BLOCK_S, 2, BLOCK_N // 2).permute(0, 2, 1).split()
+            half = tl.arange(0, BLOCK_N // 2)
             tl.store(row_base[:, None] + half[None, :], lo, mask=row_ok[:, None])
-            tl.store(row_base[:, None] + (E // 2 + half)[None, :], hi, mask=row_ok[:, None])
+            tl.store(row_base[:, None] + (BLOCK_N // 2 + half)[None, :], hi,
+                     mask=row_ok[:, None])
         else:
-            tl.store(row_base[:, None] + tl.arange(0, E)[None, :], acc, mask=row_ok[:, None])
+            tl.store(row_base[:, None] + tl.arange(0, BLOCK_N)[None, :], acc,
+                     mask=row_ok[:, None])
         if COUNT_T > 0:
-            # Block j of the counts is cleared by the program whose tile holds token j * COUNT_T.
+            # Block j of the counts is cleared by the programs whose tiles hold token
+            # j * COUNT_T, each its own columns.
             NJ: tl.constexpr = (BLOCK_S + COUNT_T - 1) // COUNT_T  # powers of two: >= 1
             first = s0 + tl.arange(0, NJ) * COUNT_T
             clear = (first % COUNT_T == 0) & (first < S)
             row = (h * NB + first // COUNT_T).to(tl.int64)
-            tl.store(counts_ptr + row[:, None] * E + tl.arange(0, E)[None, :],
-                     tl.zeros([NJ, E], tl.int32), mask=clear[:, None])
-        return
-    if WRITE_LOGITS:
-        tl.store(row_base[:, None] + tl.arange(0, E)[None, :], acc, mask=row_ok[:, None])
-        if not FROM_TILE:
-            # The gathers of `_take_best` read logits that other threads wrote.
-            tl.debug_barrier()
-    _route_rows(acc, rows, row_base, h, bias_ptr, probs_ptr, indices_ptr, counts_ptr,
-                S, NB, group_size, norm_eps, route_scale, 1,
-                E, TOP_K, SOFTMAX, HAS_BIAS, ROUTE_NORM, NUM_GROUPS, TOPK_GROUPS,
-                BLOCK_S, E, BLOCK_K, BLOCK_G, COUNT_T, FROM_TILE, INTERPRET)
+            tl.store(counts_ptr + row[:, None] * E + n0 + tl.arange(0, BLOCK_N)[None, :],
+                     tl.zeros([NJ, BLOCK_N], tl.int32), mask=clear[:, None])
+    else:
+        tl.static_assert(BLOCK_N == E, "routing needs whole rows")
+        if WRITE_LOGITS:
+            tl.store(row_base[:, None] + tl.arange(0, E)[None, :], acc, mask=row_ok[:, None])
+            if not FROM_TILE:
+                # The gathers of `_take_best` read logits that other threads wrote.
+                tl.debug_barrier()
+        _route_rows(acc, rows, row_base, h, bias_ptr, probs_ptr, indices_ptr, counts_ptr,
+                    S, NB, group_size, norm_eps, route_scale, 1,
+                    E, TOP_K, SOFTMAX, HAS_BIAS, ROUTE_NORM, NUM_GROUPS, TOPK_GROUPS,
+                    BLOCK_S, E, BLOCK_K, BLOCK_G, COUNT_T, FROM_TILE, INTERPRET)
 
 
 @triton.jit
@@ -977,9 +986,10 @@ def triton_logits_route(
             x_heads.data_ptr() % 16:
         x_heads = x_heads.contiguous()  # bulk copies need 16-byte aligned strides and base
     x_desc = TensorDescriptor.from_tensor(x_heads, [cfg.block_s, 1, block_d])
-    w_desc = TensorDescriptor.from_tensor(parts.view(3 * H * E, D), [E, block_d])
+    block_n = min(cfg.block_e or E, E) if cfg.split else E
+    w_desc = TensorDescriptor.from_tensor(parts.view(3 * H * E, D), [block_n, block_d])
     count_t = count_block_t if counts is not None else 0
-    _logits_route_kernel[(triton.cdiv(S, cfg.block_s), H)](
+    _logits_route_kernel[(triton.cdiv(S, cfg.block_s), H * (E // block_n))](
         x_desc, w_desc, logits, bias, probs, indices,
         probs if counts is None else counts,  # a placeholder pointer when not counting
         S, H, 0 if counts is None else counts.shape[1], max(E // num_groups, 1),
@@ -989,7 +999,7 @@ def triton_logits_route(
         TOPK_GROUPS=topk_groups, BLOCK_S=cfg.block_s, BLOCK_D=block_d,
         BLOCK_K=triton.next_power_of_2(top_k), BLOCK_G=triton.next_power_of_2(num_groups),
         WRITE_LOGITS=write_logits, FROM_TILE=cfg.from_tile, INTERPRET=_interpreting(),
-        ROUTE=not cfg.split, COUNT_T=count_t, HALF_STORES=cfg.half_stores,
+        ROUTE=not cfg.split, COUNT_T=count_t, HALF_STORES=cfg.half_stores, BLOCK_N=block_n,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if cfg.split:
