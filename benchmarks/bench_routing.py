@@ -329,7 +329,7 @@ def check_route_layout(st: Setup, gen: torch.Generator) -> dict:
     res["layout_equal"] = same(triton_sort_routes(p, i, st.E), ref)
     for bt, sub in ((1, 1), (8, 8), (32, 8), (64, 4), (64, 8), (128, 8)):
         res[f"layout_equal_block{bt}_sub{sub}"] = same(
-            triton_sort_routes(p, i, st.E, block_t=bt, sub_t=sub), ref)
+            triton_sort_routes(p, i, st.E, block_t=bt, sub_t=sub, ranks="count"), ref)
     skew = i.clone()  # one expert takes every token of head 0
     skew[0, :, 0] = 3
     skew[0, :, 1:] = torch.randint(4, st.E, (S, st.K - 1), device=st.device, generator=gen)
@@ -429,7 +429,7 @@ def sweep(st: Setup, gen: torch.Generator, bench) -> list[dict]:
         count_ms = bench(lambda ii, bt=bt, sub=sub, nw=nw: R._layout_count(ii, st.E, bt, sub, nw),
                          [(i,)])
         sort_ms = bench(lambda pp, ii, bt=bt, sub=sub: triton_sort_routes(
-            pp, ii, st.E, block_t=bt, sub_t=sub), [(p, i)])
+            pp, ii, st.E, block_t=bt, sub_t=sub, ranks="count"), [(p, i)])
         rows.append({"what": "sweep_count", "S": S, "block_t": bt, "sub_t": sub,
                      "count_warps": nw, "count_ms": count_ms, "sort_ms": sort_ms})
         print(f"sweep count block_t={bt} sub_t={sub} warps={nw}: count {count_ms:.4f} ms, "
@@ -522,7 +522,7 @@ def sweep_counts_path(st: Setup, S, x, gate, bias, p, i, bench) -> list[dict]:
                                                        T, *RANK_SWEEP[0][1:]),
         "layout_from_counts": lambda: triton_sort_routes(p, i, st.E, block_counts=counts),
         "layout_ranks_scatter": lambda: triton_sort_routes(p, i, st.E, ranks="scatter"),
-        "layout_ranks_count": lambda: triton_sort_routes(p, i, st.E),
+        "layout_ranks_count": lambda: triton_sort_routes(p, i, st.E, ranks="count"),
     }
     for name, fn in steps.items():
         ms = bench(fn, [()])
@@ -570,19 +570,20 @@ def timings(st: Setup, gen: torch.Generator, bench) -> tuple[list[dict], list[di
                                        data)
         r["fused_counting"] = bench(lambda x, g, b, T=T: fused(st, x, g, b, count_block_t=T),
                                     data)
-        r["layout"] = bench(lambda p, i: triton_sort_routes(p, i, E), pis)
+        r["layout"] = bench(lambda p, i: triton_sort_routes(p, i, E, ranks="count"), pis)
         r["layout_from_counts"] = bench(
             lambda p, i, c: triton_sort_routes(p, i, E, block_counts=c), pics)
         r["layout_ranks_scatter"] = bench(
             lambda p, i: triton_sort_routes(p, i, E, ranks="scatter"), pis)
         r["unfused_total"] = bench(
-            lambda x, g, b: triton_sort_routes(*route(st, logits_gemm(st, x, g), b), E), data)
+            lambda x, g, b: triton_sort_routes(*route(st, logits_gemm(st, x, g), b), E,
+                                               ranks="count"), data)
         r["fused_total"] = bench(
-            lambda x, g, b: triton_sort_routes(*fused(st, x, g, b)[:2], E), data)
+            lambda x, g, b: triton_sort_routes(*fused(st, x, g, b)[:2], E, ranks="count"), data)
         r["fused_total_counts"] = bench(lambda x, g, b: new_total(st, x, g, b), data)
         if st.device == "cuda":
             r["fused_total_graph"] = bench(
-                lambda x, g, b: triton_sort_routes(*fused(st, x, g, b)[:2], E), data,
+                lambda x, g, b: triton_sort_routes(*fused(st, x, g, b)[:2], E, ranks="count"), data,
                 graph=True)
             r["fused_total_counts_graph"] = bench(lambda x, g, b: new_total(st, x, g, b), data,
                                                   graph=True)
@@ -756,7 +757,9 @@ def main() -> None:
     print("\nms (median, do_bench). gemm+route: cuBLAS fp32 logits then the Triton route; "
           "fused: logits + route in one kernel, no logits returned (the default sm_90 tile "
           "still writes them as scratch for its gather), _with_logits: returned (grad "
-          "mode); totals add the layout; _graph: CUDA-graph replay; _counting: the route "
+          "mode); layout: ranks=\"count\" (four steps, as before v7's default moved to "
+          "\"scatter\"), which the unfused and fused totals add; _graph: CUDA-graph replay; "
+          "_counting: the route "
           "kernels also count each expert's routes per 64-token block; layout_from_counts: "
           "the layout from those counts (no count step); fused_total_counts: the two "
           "together, logits + route counting, then the layout from the counts")

@@ -164,10 +164,13 @@ def test_route_nan_and_inf():
 
 
 def _check_layout(probs, indices, num_experts, **tile):
-    out = triton_sort_routes(probs.to(DEVICE), indices.to(DEVICE), num_experts, **tile)
+    # both ways of ranking (the default, "scatter", and "count", whose sub_t the tiles set)
     ref = sort_routes_reference(probs.float(), indices, num_experts)
-    for got, want in zip(out, ref, strict=True):
-        assert got.dtype == want.dtype and torch.equal(got.cpu(), want)
+    for ranks in (None, "count"):
+        out = triton_sort_routes(probs.to(DEVICE), indices.to(DEVICE), num_experts,
+                                 ranks=ranks, **tile)
+        for got, want in zip(out, ref, strict=True):
+            assert got.dtype == want.dtype and torch.equal(got.cpu(), want)
     return out
 
 
@@ -334,7 +337,7 @@ def test_layout_ranks_scatter_ignores_out_of_range_indices(rng):
     # invalid input, as test_layout_ignores_out_of_range_indices: the same outcome
     probs = torch.rand(1, 6, 2, generator=rng)
     indices = torch.tensor([[[0, 1], [2, 9], [1, -1], [2**40, 0], [1, 2], [0, 2]]])
-    count = triton_sort_routes(probs.to(DEVICE), indices.to(DEVICE), 3)
+    count = triton_sort_routes(probs.to(DEVICE), indices.to(DEVICE), 3, ranks="count")
     scatter = triton_sort_routes(probs.to(DEVICE), indices.to(DEVICE), 3, ranks="scatter",
                                  block_t=2, chunk=2)
     n = int(((indices >= 0) & (indices < 3)).sum())

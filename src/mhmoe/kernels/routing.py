@@ -36,7 +36,7 @@ logits reach memory only when wanted (the backward, or the gather).
 Layout (a stable counting sort, no host synchronisation) over blocks of
 BLOCK_T tokens of a head, in one of two ways (`ranks`):
 
-"count" (without counts from the routing, the default):
+"count" (without counts from the routing, on request):
 1. count: per (head, block), the routes of each expert (hist [H, NB, E], a
    histogram) and each route's rank among the earlier routes of the same
    expert inside the block (rank [H, S, K]: pairwise comparisons within
@@ -49,7 +49,7 @@ BLOCK_T tokens of a head, in one of two ways (`ranks`):
 4. scatter: route (h, s, k) of expert f = h * E + e goes to
    offsets[f] + base[h, block(s), e] + rank[h, s, k].
 
-"scatter" (the layer's, with counts from the routing):
+"scatter" (the default; the layer's, with counts from the routing):
 1. counts: from the route kernels (no launch of the layout), or without them
    from a count kernel that only counts (hist, no ranks);
 2. the scan, as above;
@@ -1035,9 +1035,9 @@ def triton_sort_routes(
     wrong layout (offsets past H*S*K, slots left unwritten) that must not reach
     `expert_forward`, though every write of this function stays in bounds.
     Without block_counts, `ranks` picks the
-    steps: "count" (the default: count kernel with ranks, scan, offsets, scatter;
-    four launches) or "scatter" (a count kernel without ranks, scan, the ranking
-    scatter; three). Both give the same layout.
+    steps: "scatter" (the default: a count kernel without ranks, scan, the ranking
+    scatter; three launches) or "count" (count kernel with ranks, scan, offsets,
+    scatter; four). Both give the same layout.
 
     Out-of-range indices (invalid input; `routing.sort_routes` checks CPU
     tensors only) are left out of the counts and not written: every write
@@ -1055,7 +1055,11 @@ def triton_sort_routes(
     H, S, K = indices.shape
     E = num_experts
     if ranks is None:
-        ranks = "count" if block_counts is None else "scatter"
+        # Without counts too: the scatter's count-only step, scan and ranking scatter
+        # measured 0.057 / 0.057 / 0.063 / 0.103 ms at S = 1K / 4K / 16K / 32K against
+        # 0.075 / 0.076 / 0.087 / 0.158 for "count" (H200, MAGI-2 dims, NOTES.md routing v7;
+        # the v6 run had "count" ahead at 16K).
+        ranks = "scatter"
     if ranks not in ("count", "scatter") or (block_counts is not None and ranks != "scatter"):
         raise ValueError(f"triton_sort_routes: ranks must be 'count' or 'scatter' ('scatter' "
                          f"with block_counts), got {ranks!r}")
