@@ -461,8 +461,9 @@ def sweep(st: Setup, gen: torch.Generator, bench) -> list[dict]:
 def split_sweep(st: Setup, gen: torch.Generator, bench) -> list[dict]:
     """--split-sweep: the split tiles of FUSED_SWEEP at S = sweep_s as the layer runs them
     (logits + route counting, then the layout from the counts). Each is checked bitwise
-    against its own tiles storing logits whole and routing with the default rows (other
-    K steps round the logits differently), and against float64's routing."""
+    against a reference tile with the same K step (64 tokens x all E on 4 warps, 2 stages,
+    the logits stored whole: other K steps round the logits differently), and against
+    float64's routing."""
     from dataclasses import replace
 
     S = st.sweep_s
@@ -646,7 +647,7 @@ def compile_only(args) -> None:
         for write in sorted({not cfg.from_tile, True}):
             for count_t in (0, T):
                 bn = min(cfg.block_e or st.E, st.E) if cfg.split else st.E
-                sig = {"x_desc": f"tensordesc<bf16[{cfg.block_s}, 1, {cfg.block_d}]>",
+                sig = {"x_desc": f"tensordesc<bf16[{cfg.block_s}, {cfg.block_d}]>",
                        "w_desc": f"tensordesc<bf16[{bn}, {cfg.block_d}]>",
                        "logits_ptr": "*fp32", "bias_ptr": "*fp32", "probs_ptr": "*fp32",
                        "indices_ptr": "*i64", "counts_ptr": "*i32", "S": "i32", "H": "i32",

@@ -171,6 +171,39 @@ def test_router_logits_on_tensor_cores_within_issue_bounds(magi2_layer):
     assert rel.max().item() <= 1e-6
 
 
+
+def test_router_logits_repeatable_at_full_size():
+    # Many calls at MAGI-2's full S on the default tiles: every call's fp32 logits within
+    # an fp32 dot product's rounding of float64 and bitwise equal to the first call's,
+    # as are probs, indices and the layout's counts. Buffers are filled with other bytes
+    # between calls, so a read of stale memory would show. (A race in the logits kernel,
+    # registers overwritten under a running wgmma, gave wrong tiles in about one call in
+    # three with 3 pipeline stages; NOTES.md routing v8.)
+    from mhmoe.kernels.routing import layout_block_t, triton_logits_route
+
+    cfg = MAGI2
+    S, H, E, D = 32768, cfg.num_heads, cfg.num_experts, cfg.head_dim
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    x = torch.randn(S, H, D, device="cuda", generator=gen).bfloat16()
+    gate = torch.randn(H, E, D, device="cuda", generator=gen) * D**-0.5
+    bias = torch.randn(H, E, device="cuda", generator=gen) * 0.01
+    exact = torch.einsum("shd,hed->hse", x.double(), gate.double())
+    bound = D * 2.0**-24 * torch.einsum("shd,hed->hse", x.double().abs(), gate.double().abs())
+    kw = dict(expert_bias=bias, route_norm=True, route_scale=cfg.route_scale,
+              return_logits=True, count_block_t=layout_block_t(cfg.top_k))
+    first = None
+    for call in range(24):
+        junk = torch.empty(1 << 28, device="cuda", dtype=torch.int32).fill_(call * 7919)
+        del junk
+        out = triton_logits_route(x, gate, cfg.top_k, cfg.score_func, **kw)
+        logits = out[2]
+        assert ((logits.double() - exact).abs() <= bound).all(), call
+        if first is None:
+            first = out
+        else:
+            assert all(torch.equal(a, b) for a, b in zip(out, first, strict=True)), call
+
+
 def test_backward_panel_head_groups_bitwise_on_gpu(monkeypatch):
     # Panels for one head at a time (12 launches of the dx kernel and of the panel
     # GEMMs) against all heads at once: deterministic mode gives the same bits.

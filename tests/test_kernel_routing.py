@@ -9,6 +9,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from mhmoe.kernels import routing as kr
 from mhmoe.kernels.routing import (
     LogitsRouteConfig,
     layout_block_t,
@@ -501,6 +502,23 @@ def test_fused_route_matches_reference(rng, score_func, with_bias, H, S, E, D, K
     _check_fused(x, gate, K, score_func, bias)
 
 
+def test_fused_route_strided_x_heads(rng):
+    # The kernel reads x as [S, H * D] rows: a slice of heads (rows longer than H * D) is
+    # read in place, heads that are not adjacent (every other head) are copied first. Both
+    # route as a contiguous copy does, bitwise, and the logits stay in their heads.
+    full, gate4 = _fused_inputs(rng, 4, 21, 32, 32)
+    bias = torch.randn(4, 32, generator=rng) * 0.02
+    for heads in (slice(1, 3), slice(0, 4, 2)):
+        x, gate, b = full[:, heads], gate4[heads], bias[heads]
+        assert not x.is_contiguous()
+        outs = [triton_logits_route(v.to(DEVICE), gate.to(DEVICE), 3, "sigmoid",
+                                    b.to(DEVICE), True, 1e-12, 4.9, return_logits=True)
+                for v in (x, x.contiguous())]
+        for a, c in zip(*outs, strict=True):
+            assert torch.equal(a.cpu(), c.cpu())
+        _check_fused(x, gate, 3, "sigmoid", b)
+
+
 def test_fused_route_groups_and_no_norm(rng):
     x, gate = _fused_inputs(rng, 2, 19, 32, 32)
     bias = torch.randn(2 * 32, generator=rng) * 0.05  # flat [H*E] bias is accepted too
@@ -546,7 +564,7 @@ def test_fused_tile_choice_does_not_change_results(rng, config):
     assert torch.equal(p4.cpu(), p) and torch.equal(i4.cpu(), i)
     # split, a program computing a quarter or half of the experts, whole or in halves:
     # the same dot products, each logit written once, in place
-    for block_e, halves in ((16, False), (32, True)):
+    for block_e, halves in ((16, False), (32, True), (128, True)):  # 128 > E: all of E
         part = LogitsRouteConfig(config.block_s, config.block_d, config.num_warps, 1, False,
                                  split=True, half_stores=halves, block_e=block_e)
         p5, i5, logits5 = triton_logits_route(x.to(DEVICE), gate.to(DEVICE), 6, "sigmoid",
@@ -599,9 +617,17 @@ def test_fused_route_nan_and_inf(rng):
     (LogitsRouteConfig(block_s=32, block_d=32, num_warps=4, num_stages=1, from_tile=False,
                        split=True, half_stores=True, block_e=16), 8),
 ])
-def test_fused_route_counts(rng, config, count_t):
+def test_fused_route_counts(rng, config, count_t, monkeypatch):
     # logits + route with counts, fused or split: the same picks as without, counts of them,
-    # and the layout from them is the reference's; NaN and inf inputs among the rows
+    # and the layout from them is the reference's; NaN and inf inputs among the rows.
+    # A buffer the kernels are to zero comes filled with garbage (the CPU's empty is zeroed).
+    new_counts = kr._new_block_counts
+
+    def garbage_counts(*args, zeroed):
+        counts = new_counts(*args, zeroed=zeroed)
+        return counts if zeroed else counts.fill_(12345)
+
+    monkeypatch.setattr(kr, "_new_block_counts", garbage_counts)
     H, S, E, D, K = 2, 45, 32, 32, 6
     x, gate = _fused_inputs(rng, H, S, E, D)
     x[4, 0, 1] = float("nan")    # token 4, head 0: every logit NaN

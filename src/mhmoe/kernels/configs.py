@@ -178,9 +178,10 @@ class LogitsRouteConfig:
                 (ROUTE=False), then `_route_kernel` routes them (its own tiles):
                 each part runs at its own occupancy, for 4 bytes per score
                 written and read again. from_tile is then unused.
-    half_stores: with split and E >= 32, store the logits tile as two halves of
-                its columns, so the layout change before the stores takes half
-                the shared memory (the same values are written).
+    half_stores: with split, store the logits tile as two halves of its columns
+                (when the tile has >= 32 columns, min(block_e, E); else ignored), so
+                the layout change before the stores takes half the shared memory
+                (the same values are written).
     block_e:    with split, the experts (columns) one program computes, a power of
                 two >= 16 (None or >= E: all E). A program reads block_e rows of the
                 weight parts: tiles of many tokens and few experts read as few weight
@@ -220,7 +221,8 @@ class LogitsRouteConfig:
 # the tile stored in two column halves (sm_90: 66 KB shared memory, 178 registers, two
 # programs an SM): logits + route with counts 0.689 ms at S=32768 against 0.734 for the
 # v5-v6 tile (128 tokens x all experts on two warpgroups, K steps of 64, 2 stages, one
-# program an SM); the sweep of 18 tiles is in NOTES.md.
+# program an SM); NOTES.md tabulates 8 of the 18 tiles swept (all in
+# benchmarks/results/routing_v7_split_block_e.json).
 LOGITS_ROUTE_CONFIGS = {
     (9, 0): LogitsRouteConfig(block_s=128, block_d=32, num_warps=4, num_stages=3,
                               from_tile=False, split=True, half_stores=True, block_e=128),

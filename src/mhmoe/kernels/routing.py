@@ -394,8 +394,8 @@ def _dot_exact(x, w, acc, INTERPRET: tl.constexpr):
 
 @triton.jit
 def _logits_route_kernel(
-    x_desc,  # x_heads [S, H, D] bf16: a tensor descriptor, blocks [BLOCK_S, 1, BLOCK_D]
-    w_desc,  # router weight parts [3 * H * E, D] bf16 (w1, w2, w3): blocks [E, BLOCK_D]
+    x_desc,  # x_heads as [S, H * D] bf16: a tensor descriptor, blocks [BLOCK_S, BLOCK_D]
+    w_desc,  # router weight parts [3 * H * E, D] bf16 (w1, w2, w3): blocks [BLOCK_N, BLOCK_D]
     logits_ptr,  # output [H, S, E] fp32 contiguous (written if WRITE_LOGITS)
     bias_ptr,  # [H, E] fp32 contiguous (unused unless HAS_BIAS)
     probs_ptr, indices_ptr,  # outputs [H, S, K] fp32, int64, contiguous
@@ -406,7 +406,7 @@ def _logits_route_kernel(
     TOPK_GROUPS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr, WRITE_LOGITS: tl.constexpr,
     FROM_TILE: tl.constexpr, INTERPRET: tl.constexpr, ROUTE: tl.constexpr = True,
-    COUNT_T: tl.constexpr = 0, HALF_STORES: tl.constexpr = False, BLOCK_N: tl.constexpr = None,
+    COUNT_T: tl.constexpr = 0, HALF_STORES: tl.constexpr = False, BLOCK_N: tl.constexpr = 0,
 ):
     """Router logits and top-k routing of BLOCK_S tokens of one head, in one pass.
 
@@ -453,17 +453,24 @@ def _logits_route_kernel(
     b = tl.program_id(0)
     # ROUTE=False may split the experts: program (b, h * (E // BLOCK_N) + n) owns columns
     # [n * BLOCK_N, (n + 1) * BLOCK_N) of the tile. Routing needs whole rows: BLOCK_N == E.
+    tl.static_assert(BLOCK_N > 0, "BLOCK_N must be passed (E, or a share of E when split)")
     NSPLIT: tl.constexpr = E // BLOCK_N
     h = tl.program_id(1) // NSPLIT
     n0 = (tl.program_id(1) % NSPLIT) * BLOCK_N
     s0 = b * BLOCK_S
     acc = tl.zeros([BLOCK_S, BLOCK_N], dtype=tl.float32)
+    # x arrives as a 2D [BLOCK_S, BLOCK_D] box of [S, H * D], so both wgmma operands are
+    # read from shared memory. A [BLOCK_S, 1, BLOCK_D] box of [S, H, D] needed a reshape,
+    # after which Triton 3.6 kept x in registers as the A operand, and its pipelined loop
+    # loaded the next x into those registers while the previous step's second wgmma was
+    # still reading them (undefined in PTX): on an H200, wrong logits in about one call in
+    # three at S = 32768 with 3 stages (NOTES.md, routing v8).
     for d0 in range(0, D, BLOCK_D):
-        xt = x_desc.load([s0, h, d0]).reshape(BLOCK_S, BLOCK_D)
+        xt = x_desc.load([s0, h * D + d0])
         acc = _dot_exact(xt, w_desc.load([(2 * H + h) * E + n0, d0]).T, acc, INTERPRET)
         acc = _dot_exact(xt, w_desc.load([(H + h) * E + n0, d0]).T, acc, INTERPRET)
     for d0 in range(0, D, BLOCK_D):
-        xt = x_desc.load([s0, h, d0]).reshape(BLOCK_S, BLOCK_D)
+        xt = x_desc.load([s0, h * D + d0])
         acc = _dot_exact(xt, w_desc.load([h * E + n0, d0]).T, acc, INTERPRET)
 
     rows = s0 + tl.arange(0, BLOCK_S)
@@ -982,10 +989,12 @@ def triton_logits_route(
     if expert_bias is not None:
         bias = expert_bias.reshape(H, E).to(device=device, dtype=torch.float32).contiguous()
     block_d = min(cfg.block_d, D & -D)  # the largest power of two dividing D (>= 16)
-    if x_heads.stride(2) != 1 or any((st * 2) % 16 for st in x_heads.stride()[:2]) or \
-            x_heads.data_ptr() % 16:
-        x_heads = x_heads.contiguous()  # bulk copies need 16-byte aligned strides and base
-    x_desc = TensorDescriptor.from_tensor(x_heads, [cfg.block_s, 1, block_d])
+    if x_heads.stride(2) != 1 or (H > 1 and x_heads.stride(1) != D) or \
+            (x_heads.stride(0) * 2) % 16 or x_heads.data_ptr() % 16:
+        # Viewed as [S, H * D] (see the kernel), with the 16-byte aligned row stride and
+        # base that bulk copies need.
+        x_heads = x_heads.contiguous()
+    x_desc = TensorDescriptor.from_tensor(x_heads.view(S, H * D), [cfg.block_s, block_d])
     block_n = min(cfg.block_e or E, E) if cfg.split else E
     w_desc = TensorDescriptor.from_tensor(parts.view(3 * H * E, D), [block_n, block_d])
     count_t = count_block_t if counts is not None else 0
