@@ -218,11 +218,12 @@ class LogitsRouteConfig:
 # route kernel (1.75). So the default splits it (`split`): the kernel as an exact-split
 # bf16 GEMM writing the logits, then `_route_kernel`. Since routing v7, each program
 # computes 128 tokens x 128 of the 256 experts on one warpgroup, K steps of 32, 3 stages,
-# the tile stored in two column halves (sm_90: 66 KB shared memory, 178 registers, two
-# programs an SM): logits + route with counts 0.689 ms at S=32768 against 0.734 for the
-# v5-v6 tile (128 tokens x all experts on two warpgroups, K steps of 64, 2 stages, one
-# program an SM); NOTES.md tabulates 8 of the 18 tiles swept (all in
-# benchmarks/results/routing_v7_split_block_e.json).
+# the tile stored in two column halves (sm_90: 74 KB shared memory since routing v8's x in
+# 2D boxes, 178 registers, two programs an SM): logits + route with counts 0.689 ms at
+# S=32768 against 0.734 for the v5-v6 tile (128 tokens x all experts on two warpgroups,
+# K steps of 64, 2 stages, one program an SM); NOTES.md tabulates 8 of the 18 tiles swept
+# (all in benchmarks/results/routing_v7_split_block_e.json). Re-swept after routing v8's
+# race fix: 0.676 ms, still the best with 128/32/8/3 (routing_v8_split.json).
 LOGITS_ROUTE_CONFIGS = {
     (9, 0): LogitsRouteConfig(block_s=128, block_d=32, num_warps=4, num_stages=3,
                               from_tile=False, split=True, half_stores=True, block_e=128),
