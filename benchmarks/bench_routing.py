@@ -614,20 +614,12 @@ def sm90_compile(fn, sig: dict, constexprs: dict, num_warps: int, num_stages: in
     import subprocess
     import tempfile
 
-    from triton.backends.compiler import GPUTarget
+    from mhmoe.kernels.sass_audit import compile_sm90, toolchain
 
-    sig = {**sig, **{k: "constexpr" for k in constexprs}}
-    # what the JIT passes for 16-byte aligned pointers and ints divisible by 16
-    attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]]
-             for k, t in sig.items() if t.startswith("*") or k in divisible}
-    kernel = triton.compile(
-        triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
-        target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps,
-                                                   "num_stages": num_stages})
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
+    kernel = compile_sm90(fn, sig, constexprs, num_warps, num_stages, divisible)
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(kernel.asm["ptx"])
-    info = subprocess.run([ptxas, "-v", "-arch=sm_90a", f.name, "-o", os.devnull],
+    info = subprocess.run([toolchain()[0], "-v", "-arch=sm_90a", f.name, "-o", os.devnull],
                           capture_output=True, text=True).stderr
     os.unlink(f.name)
     regs = re.findall(r"Used (\d+) registers", info)

@@ -33,6 +33,12 @@ def magi2_layer():
     return make_layer(MAGI2, seed=1)
 
 
+def scribble_freed_memory(seed):
+    """Fill 1 GiB with other bytes and free it, where the next buffers will be carved from:
+    a kernel reading memory it did not write would then see different values."""
+    torch.empty(1 << 28, device="cuda", dtype=torch.int32).fill_(seed)
+
+
 def rel_err(a, b):
     a, b = a.double().cpu(), b.double().cpu()
     return ((a - b).norm() / b.norm()).item()
@@ -193,8 +199,7 @@ def test_router_logits_repeatable_at_full_size():
               return_logits=True, count_block_t=layout_block_t(cfg.top_k))
     first = None
     for call in range(24):
-        junk = torch.empty(1 << 28, device="cuda", dtype=torch.int32).fill_(call * 7919)
-        del junk
+        scribble_freed_memory(call * 7919)
         out = triton_logits_route(x, gate, cfg.top_k, cfg.score_func, **kw)
         logits = out[2]
         assert ((logits.double() - exact).abs() <= bound).all(), call
@@ -221,14 +226,11 @@ def test_expert_kernels_repeatable_at_full_size(magi2_layer):
     with torch.no_grad():
         layout = magi2_layer.route_layout(xh)
 
-    def junk(call):
-        torch.empty(1 << 28, device="cuda", dtype=torch.int32).fill_(call * 104729 + 1)
-
     first = {}
     for call in range(5):
-        junk(call)
+        scribble_freed_memory(call * 104729 + 1)
         y_det = triton_expert_forward(xh, *layout, *w, deterministic=True)
-        junk(call)
+        scribble_freed_memory(call * 104729 + 1)
         y = triton_expert_forward(xh, *layout, *w)
         assert torch.isfinite(y_det).all() and torch.isfinite(y).all(), call
         if not first:
@@ -243,7 +245,7 @@ def test_expert_kernels_repeatable_at_full_size(magi2_layer):
     del first
     grads = None
     for call in range(3):
-        junk(call)
+        scribble_freed_memory(call * 104729 + 1)
         out = triton_expert_backward(dy, xh, *layout, *w, deterministic=True)
         assert all(torch.isfinite(t).all() for t in out), call
         if grads is None:

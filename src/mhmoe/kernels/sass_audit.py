@@ -49,7 +49,7 @@ import triton.language as tl
 HOPPER = (9, 0)
 
 
-def _toolchain() -> tuple[str, str]:
+def toolchain() -> tuple[str, str]:
     """Paths of the ptxas and cuobjdump shipped with Triton."""
     bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     tools = tuple(os.path.join(bin_dir, name) for name in ("ptxas", "cuobjdump"))
@@ -59,9 +59,10 @@ def _toolchain() -> tuple[str, str]:
     return tools
 
 
-def compile_sass(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int,
-                 divisible: tuple[str, ...] = ()) -> str:
-    """SASS of Triton kernel `fn` for sm_90a.
+def compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int,
+                 divisible: tuple[str, ...] = ()):
+    """Triton kernel `fn` compiled here for sm_90 (no GPU needed): the compiled kernel,
+    whose .asm["ptx"] and .metadata.shared the callers read.
 
     signature: argument name -> Triton type ("*bf16", "i32", "tensordesc<bf16[64, 32]>");
     pointers and the `divisible` integers are marked 16-divisible, as the JIT marks the
@@ -71,15 +72,21 @@ def compile_sass(fn, signature: dict, constexprs: dict, num_warps: int, num_stag
 
     if not isinstance(fn, JITFunction):
         raise RuntimeError("sass_audit: kernels are interpreted here (TRITON_INTERPRET=1); "
-                           "run the audit without it")
+                           "compile without it")
     sig = {**signature, **{k: "constexpr" for k in constexprs}}
     attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]]
              for k, t in sig.items() if t.startswith("*") or k in divisible}
-    kernel = triton.compile(
+    return triton.compile(
         triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
         target=GPUTarget("cuda", 90, 32),
         options={"num_warps": num_warps, "num_stages": num_stages})
-    ptxas, cuobjdump = _toolchain()
+
+
+def compile_sass(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int,
+                 divisible: tuple[str, ...] = ()) -> str:
+    """SASS (sm_90a) of Triton kernel `fn`; arguments as `compile_sm90`."""
+    kernel = compile_sm90(fn, signature, constexprs, num_warps, num_stages, divisible)
+    ptxas, cuobjdump = toolchain()
     with tempfile.TemporaryDirectory() as tmp:
         ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
         with open(ptx, "w") as f:
