@@ -661,7 +661,7 @@ def compile_only(args) -> None:
     for count_t in (0, T):
         cx = dict(E=st.E, TOP_K=st.K, SOFTMAX=False, HAS_BIAS=True, ROUTE_NORM=True,
                   NUM_GROUPS=1, TOPK_GROUPS=1, BLOCK_ROWS=2, BLOCK_E=st.E, BLOCK_K=BK, BLOCK_G=1,
-                  ITERS=1, INTERPRET=False, COUNT_T=count_t)
+                  ITERS=1, INTERPRET=False, COUNT_T=count_t, KEYED=True)
         info = sm90_compile(R._route_kernel, route_sig, cx, 1,
                             divisible=("S", "stride_lh", "stride_ls"))
         print(f"route 2 rows 1 warp count_t={count_t}: {info}", flush=True)

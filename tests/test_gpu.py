@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import mhmoe
+from mhmoe.kernels import routing as kr
 from mhmoe.reference import moe_reference_float64
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -207,6 +210,52 @@ def test_router_logits_repeatable_at_full_size():
             first = out
         else:
             assert all(torch.equal(a, b) for a, b in zip(out, first, strict=True)), call
+
+
+@triton.jit
+def _sigmoid_approx_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n)
+    tl.store(y_ptr + offs, kr._sigmoid_approx(x, offs, False), mask=offs < n)
+
+
+def test_sigmoid_approx_within_its_bound():
+    # The route kernel's keys come from an approximate sigmoid (ex2.approx, rcp.approx);
+    # its margin assumes |approx - torch.sigmoid| <= SIGMOID_APPROX_ERROR everywhere.
+    # A dense sweep of [-110, 110], random logits, the overflow edges and the specials.
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.cat([torch.linspace(-110, 110, 1 << 25, device="cuda"),
+                   torch.randn(1 << 24, device="cuda", generator=gen) * 4,
+                   torch.tensor([0.0, -0.0, 1e-30, -1e-30, 87.3, 88.8, -87.3, -88.8, 1e30,
+                                 -1e30, float("inf"), float("-inf")], device="cuda")])
+    y = torch.empty_like(x)
+    _sigmoid_approx_kernel[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), BLOCK=1024)
+    err = (y.double() - torch.sigmoid(x).double()).abs().max().item()
+    assert err <= float(kr.SIGMOID_APPROX_ERROR.value), err
+    nan = torch.full((4,), float("nan"), device="cuda")
+    _sigmoid_approx_kernel[(1,)](nan, y, 4, BLOCK=1024)
+    assert y[:4].isnan().all()
+
+
+def test_keyed_route_equals_exact_rounds_at_full_size():
+    # The packed-key route kernel (the default) against the exact rounds (keyed=False) at
+    # MAGI-2's S, H, E, K on real logits and on rows made to defeat the keys: bitwise.
+    H, E, K, S = MAGI2.num_heads, MAGI2.num_experts, MAGI2.top_k, 32768
+    gen = torch.Generator(device="cuda").manual_seed(13)
+    logits = torch.randn(H, S, E, device="cuda", generator=gen)
+    logits[:, 0] = 30.0                                   # every score 1.0: all tied
+    logits[:, 1, :8] = float("inf")
+    logits[:, 2] = float("nan")
+    logits[:, 3] = float("-inf")
+    logits[:, 4, ::3] = 2.0                               # exact ties
+    logits[:, 5] = torch.linspace(3.0, 3.001, E, device="cuda")  # near-ties everywhere
+    bias = torch.randn(H, E, device="cuda", generator=gen) * 0.01
+    kw = dict(expert_bias=bias, route_scale=MAGI2.route_scale, count_block_t=64)
+    exact = kr.triton_route(logits, K, keyed=False, **kw)
+    for block_rows in (None, 2, 8):
+        keyed = kr.triton_route(logits, K, block_rows=block_rows, **kw)
+        assert torch.equal(keyed[0].nan_to_num(7.0), exact[0].nan_to_num(7.0)), block_rows
+        assert torch.equal(keyed[1], exact[1]) and torch.equal(keyed[2], exact[2]), block_rows
 
 
 def test_expert_kernels_repeatable_at_full_size(magi2_layer):

@@ -9,6 +9,9 @@ import torch
 
 pytest.importorskip("triton")
 
+import triton
+import triton.language as tl
+
 from mhmoe.kernels import routing as kr
 from mhmoe.kernels.routing import (
     LogitsRouteConfig,
@@ -162,6 +165,135 @@ def test_route_nan_and_inf():
     bias = torch.tensor([[NAN, 0.0, -INF, 0.0]], device=DEVICE)
     _, i = triton_route(torch.zeros(1, 2, 4, device=DEVICE), 4, expert_bias=bias)
     assert i.cpu().tolist() == [[[1, 3, 0, 2]] * 2]
+
+
+FLIP_PAIRS = ((0, 2), (3, 5), (6, 8))
+
+
+def _hard_logits(rng, H, S, E):
+    """Random rows, then rows built to defeat packed keys: exact ties, ties after
+    rounding, near-ties across bucket edges, saturated sigmoids, inf, -inf, NaN."""
+    logits = torch.randn(H, S, E, generator=rng) * 2
+    r = iter(range(S))
+    row = next(r)
+    logits[:, row, [1, 4, E - 1]] = 5.0                   # exact ties at the top
+    row = next(r)
+    x = torch.tensor(1.5)
+    logits[:, row, :4] = torch.stack([x, torch.nextafter(x, torch.tensor(9.0)),
+                                      x.nextafter(torch.tensor(-9.0)), x])  # ulp apart
+    row = next(r)
+    logits[:, row] = 30.0 + torch.arange(E) * 1e-3        # sigmoids all round to 1.0
+    row = next(r)
+    logits[:, row] = torch.linspace(3.0, 3.0 + 4e-6 * E, E)  # a ladder of near-ties
+    row = next(r)
+    logits[:, row, 2] = INF
+    logits[:, row, E // 2] = INF                           # two +inf: tied at 1.0
+    row = next(r)
+    logits[:, row] = -INF                                   # every score 0: ascending ids
+    row = next(r)
+    logits[:, row] = NAN                                    # every selection score -inf
+    row = next(r)
+    logits[:, row, :E // 2] = NAN                           # half NaN
+    # Pairs whose order the interpreter's approximate sigmoid swaps (columns 0 mod 3 moved
+    # down by 2^-20 relative, 2 mod 3 up, see `_sigmoid_approx`): exact scores ~half the
+    # swap apart, so the swapped values often lie in different buckets, and only the
+    # margin check catches them. Three pairs at three levels, the rest far below.
+    for row in (next(r), next(r)):
+        logits[:, row] = -6.0
+        levels = ((1.0, 3.5e-6), (0.0, 1.9e-6), (-1.0, 1.3e-6))
+        for (a, b), (x, dx) in zip(FLIP_PAIRS, levels, strict=True):
+            if b < E:
+                logits[:, row, a], logits[:, row, b] = x + dx, x
+    logits[:, row, :3] = torch.tensor([1.0 + 3.5e-6, 0.5, 1.0])  # the pair at the K boundary
+    return logits
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("score_func,groups", [("sigmoid", (1, 1)), ("softmax", (1, 1)),
+                                               ("sigmoid", (4, 2))])
+@pytest.mark.parametrize("bias_scale", [None, 0.02, 1e4])
+@pytest.mark.parametrize("E,K", [(24, 5), (16, 16), (256, 6), (12, 1)])
+def test_keyed_top_k_equals_exact_rounds(rng, score_func, groups, bias_scale, E, K):
+    # The packed-key rounds (with the approximate sigmoid and its margin) must give the
+    # exact rounds' results on every row, near-ties, ties and non-finite rows included:
+    # rows they cannot vouch for are redone exactly. Bitwise: probs, indices, counts.
+    if groups[0] > 1 and E % groups[0]:
+        pytest.skip("groups must divide E")
+    H, S = 2, 23
+    logits = _hard_logits(rng, H, S, E)
+    bias = None if bias_scale is None else torch.randn(H, E, generator=rng) * bias_scale
+    if bias is not None and score_func == "sigmoid" and groups[0] == 1:
+        for a, b in FLIP_PAIRS:  # the flip pairs stay near-tied
+            if b < E:
+                bias[:, a] = bias[:, b]
+        # a bias that exactly cancels a score: selection score 0 beside real zeros
+        bias[0, 10 % E] = -torch.sigmoid(logits[0, 0, 10 % E])
+    kw = dict(score_func=score_func, expert_bias=None if bias is None else bias.to(DEVICE),
+              route_scale=4.9, num_groups=groups[0], topk_groups=groups[1], count_block_t=4)
+    for block_rows in (None, 4):
+        keyed = triton_route(logits.to(DEVICE), K, block_rows=block_rows, **kw)
+        exact = triton_route(logits.to(DEVICE), K, block_rows=block_rows, keyed=False, **kw)
+        assert torch.equal(keyed[1], exact[1]) and torch.equal(keyed[2], exact[2])
+        assert torch.equal(keyed[0].nan_to_num(7.0), exact[0].nan_to_num(7.0))
+    # and the reference agrees wherever its fp32 rounding cannot reorder near-ties
+    _check_route(logits, K, score_func, bias, num_groups=groups[0], topk_groups=groups[1])
+
+
+@triton.jit
+def _keyed_probe_kernel(v_ptr, i_ptr, unsure_ptr, n, ERROR: tl.constexpr, E: tl.constexpr,
+                        TOP_K: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
+    rows = tl.arange(0, ROWS)
+    col = tl.arange(0, BLOCK_E)
+    v = tl.load(v_ptr + rows[:, None] * E + col[None, :],
+                mask=(rows < n)[:, None] & (col < E)[None, :], other=0.0)
+    i_tile, unsure = kr._top_k_keyed(v, col < E, E, TOP_K, BLOCK_E, BLOCK_K, ERROR)
+    kcol = tl.arange(0, BLOCK_K)
+    tl.store(i_ptr + rows[:, None] * TOP_K + kcol[None, :], i_tile,
+             mask=(rows < n)[:, None] & (kcol < TOP_K)[None, :])
+    tl.store(unsure_ptr + rows, unsure.to(tl.int32), mask=rows < n)
+
+
+def _keyed_probe(v, top_k, error):
+    rows, E = v.shape
+    i = torch.empty(rows, top_k, dtype=torch.int32, device=DEVICE)
+    unsure = torch.empty(rows, dtype=torch.int32, device=DEVICE)
+    _keyed_probe_kernel[(1,)](v.to(DEVICE), i, unsure, rows, ERROR=error, E=E, TOP_K=top_k,
+                              ROWS=triton.next_power_of_2(rows), BLOCK_E=triton.next_power_of_2(E),
+                              BLOCK_K=triton.next_power_of_2(top_k))
+    return i.cpu(), unsure.cpu().bool()
+
+
+def test_keyed_margin_flags_exactly_the_rows_it_must():
+    # Hand-made rows of selection scores (E = 12, padded to 16; K = 3), error bound 1e-6:
+    # the margin between adjacent top-4 scores must exceed 2 (1e-6 + 2^-22 |v|) plus the
+    # bucket (16 ulps here), and the K-th / (K+1)-th pair counts, later pairs do not.
+    E, K, err = 12, 3, 1e-6
+    base = [0.1 * j for j in range(E)]  # top: 11, 10, 9, 8 by 0.1 gaps
+    cases = {
+        "clear": (base, False),
+        "pair 1-2 within the margin": ([*base[:10], 1.0, 1.0 + 1.5e-6], True),
+        "pair 1-2 just outside": ([*base[:10], 1.0, 1.0 + 1e-5], False),
+        "K-th and K+1-th within": ([*base[:8], 0.9 - 2e-6, 0.9, 1.0, 1.1], True),
+        "K+1-th and K+2-th within (irrelevant)": ([*base[:7], 0.8, 0.8 + 1e-7, 1.0, 1.1, 1.2],
+                                                  False),
+        "exact tie": ([*base[:10], 1.1, 1.1], True),
+        "-inf at K+1": ([*([-INF] * 9), 1.0, 2.0, 3.0], True),
+        "+inf on top": ([*base[:11], INF], True),
+        "negative scores": ([-1.0 - 0.1 * j for j in range(E)], False),
+    }
+    v = torch.tensor([c[0] for c in cases.values()], dtype=torch.float32)
+    i, unsure = _keyed_probe(v, K, err)
+    for (name, (_, want)), got in zip(cases.items(), unsure.tolist(), strict=True):
+        assert got == want, name
+    # every row vouched for holds the exact top K in order (stable: lower column first)
+    order = torch.sort(v, dim=1, descending=True, stable=True).indices[:, :K].int()
+    assert torch.equal(i[~unsure], order[~unsure])
+    # no error allowed: the rows whose outcome does not depend on where in their buckets
+    # the near-tied scores fall (ties and non-finite pairs stay unsure, clear rows clear)
+    _, unsure0 = _keyed_probe(v, K, 0.0)
+    assert [unsure0.tolist()[j] for j in (0, 2, 4, 5, 6, 7, 8)] == [
+        False, False, False, True, True, True, False]
 
 
 def _check_layout(probs, indices, num_experts, **tile):
@@ -564,9 +696,13 @@ def test_fused_tile_choice_does_not_change_results(rng, config):
     assert torch.equal(p4.cpu(), p) and torch.equal(i4.cpu(), i)
     # split, a program computing a quarter or half of the experts, whole or in halves:
     # the same dot products, each logit written once, in place
-    for block_e, halves in ((16, False), (32, True), (128, True)):  # 128 > E: all of E
+    # (and the same with bulk stores: S = 45 is not a multiple of the tile, so the last
+    # tile's rows past S must be clipped, not written into the next head's rows)
+    for block_e, halves, tma in ((16, False, False), (32, True, False), (128, True, False),
+                                 (32, True, True), (16, False, True), (128, False, True)):
         part = LogitsRouteConfig(config.block_s, config.block_d, config.num_warps, 1, False,
-                                 split=True, half_stores=halves, block_e=block_e)
+                                 split=True, half_stores=halves, block_e=block_e,
+                                 tma_store=tma)
         p5, i5, logits5 = triton_logits_route(x.to(DEVICE), gate.to(DEVICE), 6, "sigmoid",
                                               bias.to(DEVICE), True, 1e-12, 4.9, config=part,
                                               return_logits=True)

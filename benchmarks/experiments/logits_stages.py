@@ -12,18 +12,13 @@ import sys
 import torch
 import triton
 import triton.testing
+from router_inputs import router_inputs
 
 from mhmoe.bench import matmul_peak_tflops
 from mhmoe.kernels import routing as R
 
 dev = torch.device("cuda")
-H, E, D, K, S = 12, 256, 256, 6, 32768
-gen = torch.Generator(device=dev).manual_seed(0)
-x = torch.randn(S, H, D, device=dev, generator=gen).bfloat16()
-gate = torch.randn(H, E, D, device=dev, generator=gen) * D**-0.5
-bias = torch.randn(H, E, device=dev, generator=gen) * 0.01
-kw = dict(top_k=K, score_func="sigmoid", expert_bias=bias, route_norm=True, norm_eps=1e-12,
-          route_scale=4.9, count_block_t=64)
+x, gate, bias, kw = router_inputs(dev)
 base = R.logits_route_config(dev)
 ref = R.triton_logits_route(x, gate, config=base, return_logits=True, **kw)
 print("matmul", round(matmul_peak_tflops(dev)), flush=True)

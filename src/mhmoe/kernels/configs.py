@@ -196,6 +196,8 @@ class LogitsRouteConfig:
     split: bool = False
     half_stores: bool = False
     block_e: int | None = None
+    one_pass: bool = False
+    tma_store: bool = False
 
     def __post_init__(self) -> None:
         blocks = ("block_s", "block_d") + (("block_e",) if self.block_e is not None else ())
@@ -223,10 +225,14 @@ class LogitsRouteConfig:
 # S=32768 against 0.734 for the v5-v6 tile (128 tokens x all experts on two warpgroups,
 # K steps of 64, 2 stages, one program an SM); NOTES.md tabulates 8 of the 18 tiles swept
 # (all in benchmarks/results/routing_v7_split_block_e.json). Re-swept after routing v8's
-# race fix: 0.676 ms, still the best with 128/32/8/3 (routing_v8_split.json).
+# race fix: 0.676 ms, still the best with 128/32/8/3 (routing_v8_split.json). Routing v9:
+# the logits leave through bulk (TMA) stores (154 registers instead of 178, the same 74 KB
+# of shared memory, the same bits): 0.527-0.549 ms against 0.557-0.565 for st.global, logits
+# + the new route kernel with counts (benchmarks/results/routing_v9_tma_store.json).
 LOGITS_ROUTE_CONFIGS = {
     (9, 0): LogitsRouteConfig(block_s=128, block_d=32, num_warps=4, num_stages=3,
-                              from_tile=False, split=True, half_stores=True, block_e=128),
+                              from_tile=False, split=True, half_stores=True, block_e=128,
+                              tma_store=True),
 }
 # Other CUDA GPUs (no wgmma): 8 warps keep the tile at 64 registers a thread (sm_80: no spills).
 _LOGITS_ROUTE_GENERIC = LogitsRouteConfig(block_s=64, block_d=32, num_warps=8, num_stages=2,

@@ -16,16 +16,25 @@ layout, which then skips its count step (same layout, bitwise):
     layout = triton_sort_routes(probs, indices, E, block_counts=counts, block_t=T)
 
 Routing. One program owns BLOCK_ROWS tokens of one head: it loads their
-[BLOCK_ROWS, E] logits once, computes the scores and the biased selection
-scores in registers, then runs top_k rounds of "row maximum, lowest expert id
-attaining it, mark it taken". Lowest id among equal maxima is exactly the
-tie order of the reference's stable descending sort. A taken expert is
-marked with NaN: the maximum ignores NaN, and `ms == max` is false for NaN,
-so taken experts drop out of both steps, while a real -inf (a NaN score is
-selected as -inf) still ties with other -inf experts in ascending id. The
-probabilities are then recomputed from the picked logits (one gather). With
-a count block T, each pick is also added to counts[h, s // T, e] (an integer
-atomic add: the sums do not depend on the order of the adds).
+[BLOCK_ROWS, E] logits once and selects in registers, on packed keys
+(`_top_k_keyed`): each selection score's fp32 encoding in an order-preserving
+unsigned integer whose low log2(E) bits carry the expert id, so that one
+unsigned minimum a score a round finds the next key (for sigmoid without
+groups the keys come from an approximate sigmoid, ~4 instructions, within
+SIGMOID_APPROX_ERROR of torch's). A row whose top K + 1 keys are not
+separated by more than the keys' resolution and the approximation's error
+(near-ties, ties, non-finite scores) is unsure, and a program with an unsure
+row redoes its tile exactly: exact selection scores (bitwise torch's), then
+top_k rounds of "row maximum, lowest expert id attaining it, mark it taken"
+(`_top_k_rounds`). Lowest id among equal maxima is exactly the tie order of
+the reference's stable descending sort. A taken expert is marked with NaN:
+the maximum ignores NaN, and `ms == max` is false for NaN, so taken experts
+drop out of both steps, while a real -inf (a NaN score is selected as -inf)
+still ties with other -inf experts in ascending id. Either way the picks are
+those of the exact rounds, bitwise. The probabilities are then computed
+exactly from the picked logits (one gather). With a count block T, each pick
+is also added to counts[h, s // T, e] (an integer atomic add: the sums do not
+depend on the order of the adds).
 
 Fused logits + route. `triton_logits_route` computes the [BLOCK_S, E] logits
 tile of BLOCK_S tokens on tensor cores (the fp32 router weight split exactly
@@ -120,6 +129,15 @@ def _nan_to_neg_inf(v, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def _nan_as_neg_inf(v, INTERPRET: tl.constexpr):
+    """v with NaN replaced by -inf: on the GPU one max (fmax returns the non-NaN operand)."""
+    if INTERPRET:
+        return tl.where(v != v, float("-inf"), v)
+    else:
+        return tl.maximum(v, float("-inf"))
+
+
+@triton.jit
 def _keep_best_groups(sel, col, E, group_size,
                       NUM_GROUPS: tl.constexpr, TOPK_GROUPS: tl.constexpr,
                       BLOCK_ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
@@ -176,6 +194,140 @@ def _take_best(ms, x, x_sel, i_tile, k, E: tl.constexpr, BLOCK_E: tl.constexpr,
 
 
 @triton.jit
+def _top_k_rounds(ms, x, x_sel, i_tile, E: tl.constexpr, TOP_K: tl.constexpr,
+                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, FROM_TILE: tl.constexpr,
+                  INTERPRET: tl.constexpr):
+    """TOP_K rounds of `_take_best` on ms (selection scores, NaN where not selectable):
+    the exact top-k, returned as (x_sel, i_tile)."""
+    if TOP_K <= 16:
+        # Unrolled: the tile updates become compile-time selects.
+        for k in tl.static_range(TOP_K):
+            ms, x_sel, i_tile = _take_best(ms, x, x_sel, i_tile, k, E, BLOCK_E, BLOCK_K,
+                                           FROM_TILE, INTERPRET)
+    else:
+        for k in range(TOP_K):
+            ms, x_sel, i_tile = _take_best(ms, x, x_sel, i_tile, k, E, BLOCK_E, BLOCK_K,
+                                           FROM_TILE, INTERPRET)
+    return x_sel, i_tile
+
+
+# Bound on |approximate sigmoid - torch's fp32 sigmoid| (absolute), with a
+# margin: the approximation's own error is below ~2.5e-7 (ex2.approx and
+# rcp.approx, relative errors <= 2^-22; the rounding of x * log2(e) costs at most
+# s (1 - s) |x| 2^-24 ln 2 <= 1.3e-8), torch's is half an ulp of a value <= 1.
+SIGMOID_APPROX_ERROR = tl.constexpr(2.0 ** -19)
+
+
+@triton.jit
+def _sigmoid_approx(x, col, INTERPRET: tl.constexpr):
+    """1 / (1 + exp(-x)) within SIGMOID_APPROX_ERROR, in four instructions (two of
+    them MUFU). NaN stays NaN, -inf gives 0, +inf 1.
+
+    The interpreter has no PTX: there it is numpy's sigmoid moved by 2^-20
+    relative, down in columns 0 mod 3, up in columns 2 mod 3, so that the tests
+    meet the swaps the margin must catch."""
+    if INTERPRET:
+        s = 1.0 / (1.0 + tl.exp(-x))
+        return s + s * (((col % 3) - 1).to(tl.float32) * 2.0 ** -20)[None, :]
+    else:
+        return tl.inline_asm_elementwise(
+            "{ .reg .f32 e; mul.ftz.f32 e, $1, 0fBFB8AA3B; ex2.approx.ftz.f32 e, e;"
+            " add.ftz.f32 e, e, 0f3F800000; rcp.approx.ftz.f32 $0, e; }",
+            "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _selection(x, row_max, row_den, bias, col, E: tl.constexpr, group_size,
+               SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, NUM_GROUPS: tl.constexpr,
+               TOPK_GROUPS: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_E: tl.constexpr,
+               BLOCK_G: tl.constexpr, INTERPRET: tl.constexpr):
+    """The exact selection scores of logits tile x: score (+ bias), NaN as -inf
+    (SPEC), zero outside the best groups when group-limited."""
+    sel = _score(x, row_max[:, None], row_den[:, None], SOFTMAX, INTERPRET)
+    if HAS_BIAS:
+        sel = sel + bias[None, :]
+    sel = tl.where(sel != sel, float("-inf"), sel)
+    if NUM_GROUPS > 1:
+        sel = _keep_best_groups(sel, col, E, group_size, NUM_GROUPS, TOPK_GROUPS,
+                                BLOCK_ROWS, BLOCK_E, BLOCK_G, INTERPRET)
+    return sel
+
+
+@triton.jit
+def _key_value(key, LOW: tl.constexpr, FILL: tl.constexpr):
+    """The fp32 value whose ordered encoding is key with its low bits set to FILL's:
+    the bottom (FILL=False) or top (FILL=True) of the key's bucket."""
+    k = key.to(tl.int32, bitcast=True)
+    if FILL:
+        k = k | LOW
+    else:
+        k = k & ~LOW
+    # Inverse of the map in `_top_k_keyed`: sign bit set (k < 0) was a non-negative float.
+    return tl.where(k < 0, k ^ (-2147483647 - 1), ~k).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _top_k_keyed(v, col_ok, E: tl.constexpr, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
+                 BLOCK_K: tl.constexpr, ERROR: tl.constexpr):
+    """Top-k of every row of v ([rows, BLOCK_E] fp32, no NaN) on packed keys.
+
+    v is the selection score, or one within ERROR (absolute) of it before the
+    bias is added. Returns (i_tile [rows, BLOCK_K] int32, unsure [rows] bool):
+    where unsure is false, i_tile is exactly what `_top_k_rounds` gives on the
+    exact selection scores; where true, it may not be.
+
+    A key is v's fp32 encoding mapped to an unsigned integer of the same order,
+    with its low log2(BLOCK_E) bits replaced by BLOCK_E - 1 - column: keys are
+    distinct, carry their column, and order like (v, then lower column) except
+    inside a bucket (keys equal but for those low bits), where the column
+    decides. Round k takes the largest key below the previous round's: with
+    t = previous - 1, the minimum of t - key in wrapping unsigned arithmetic
+    (keys at or above the previous one wrap past every key below it). One or two
+    instructions a score a round, against about six for `_take_best`.
+
+    Exactness. Let a_1 > ... > a_{K+1} be a row's top K + 1 keys (top K when
+    K = E), L(a) and U(a) the least and greatest values of a's bucket, and D the
+    most an exact selection score can differ from its v: ERROR plus the
+    roundings of the bias additions (2^-22 |value| covers both). If
+    L(a_r) - U(a_{r+1}) > 2 D for every r, then the exact scores of a_1 .. a_K
+    are in strictly decreasing order, and every other column, whose key is below
+    a_{K+1}, has an exact score below a_K's: the top K, and its order, are the
+    exact ones, with no tie for the reference's tie order to break. Otherwise
+    (near-ties, equal scores, -inf or inf among the top, whose buckets decode to
+    NaN) the row is unsure. Padding columns get key 0, below every real key (-inf
+    maps above BLOCK_E), and are never reached while K <= E. The scores are never
+    -0.0 (sigmoid, softmax, their sums with a bias and the groups' zeros are
+    +0.0 or nonzero), whose key would differ from +0.0's though they are equal.
+    """
+    LOW: tl.constexpr = BLOCK_E - 1
+    col = tl.arange(0, BLOCK_E)
+    kcol = tl.arange(0, BLOCK_K)[None, :]
+    bits = v.to(tl.int32, bitcast=True)
+    # Negative: all bits flipped; otherwise the sign bit set (INT_MIN as an int32 mask).
+    ordered = bits ^ ((bits >> 31) | (-2147483647 - 1))
+    key = ((ordered | LOW) ^ col[None, :]).to(tl.uint32, bitcast=True)
+    key = tl.where(col_ok[None, :], key, 0)
+    prev = tl.max(key, 1)
+    # this_keys[:, k] = a_{k+1}, next_keys[:, k] = a_{k+2}: the pairs to check.
+    this_keys = tl.where(kcol == 0, prev[:, None], 0)
+    next_keys = this_keys
+    PEEK: tl.constexpr = 1 if TOP_K < E else 0
+    for k in tl.static_range(1, TOP_K + PEEK):
+        t = prev - 1
+        prev = t - tl.min(t[:, None] - key, 1)
+        if k < TOP_K:
+            this_keys = tl.where(kcol == k, prev[:, None], this_keys)
+        next_keys = tl.where(kcol == k - 1, prev[:, None], next_keys)
+    i_tile = (LOW - (this_keys & LOW)).to(tl.int32)
+    lo = _key_value(this_keys, LOW, False)
+    hi = _key_value(next_keys, LOW, True)
+    margin = 2.0 * (ERROR + 2.0 ** -22 * tl.maximum(tl.abs(lo), tl.abs(hi)))
+    # NaN gaps (inf, -inf, NaN buckets) fail the comparison: unsure.
+    bad = (kcol < TOP_K + PEEK - 1) & ~(lo - hi > margin)
+    return i_tile, tl.max(bad.to(tl.int32), 1) > 0
+
+
+@triton.jit
 def _block_ranks(e, valid, R: tl.constexpr):
     """rank[r] = routes r' < r of the block with the same expert (stable order).
 
@@ -201,7 +353,7 @@ def _route_rows(
     ROUTE_NORM: tl.constexpr, NUM_GROUPS: tl.constexpr, TOPK_GROUPS: tl.constexpr,
     BLOCK_ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_G: tl.constexpr, COUNT_T: tl.constexpr, FROM_TILE: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    INTERPRET: tl.constexpr, KEYED: tl.constexpr = True,
 ):
     """Scores, selection and probabilities of one [BLOCK_ROWS, BLOCK_E] logits tile.
 
@@ -226,31 +378,48 @@ def _route_rows(
     else:
         row_max = tl.zeros([BLOCK_ROWS], tl.float32)
         row_den = tl.zeros([BLOCK_ROWS], tl.float32)
-    scores = _score(x, row_max[:, None], row_den[:, None], SOFTMAX, INTERPRET)
-
-    sel = scores
+    bias = tl.zeros([BLOCK_E], tl.float32)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + h * E + col, mask=col_ok, other=0.0)
-        sel = scores + bias[None, :]
-    # SPEC: a NaN selection score counts as -inf.
-    sel = tl.where(sel != sel, float("-inf"), sel)
-    if NUM_GROUPS > 1:
-        sel = _keep_best_groups(sel, col, E, group_size, NUM_GROUPS, TOPK_GROUPS,
-                                BLOCK_ROWS, BLOCK_E, BLOCK_G, INTERPRET)
-    # NaN marks "not selectable": padding columns now, taken experts later.
-    ms = tl.where(col_ok[None, :], sel, float("nan"))
 
     x_sel = tl.zeros([BLOCK_ROWS, BLOCK_K], tl.float32)
     i_tile = tl.zeros([BLOCK_ROWS, BLOCK_K], tl.int32)
-    if TOP_K <= 16:
-        # Unrolled: the tile updates become compile-time selects.
-        for k in tl.static_range(TOP_K):
-            ms, x_sel, i_tile = _take_best(ms, x, x_sel, i_tile, k, E, BLOCK_E, BLOCK_K,
-                                           FROM_TILE, INTERPRET)
+    if KEYED and not FROM_TILE and TOP_K <= 16:
+        # Rounds on packed keys, a few instructions a score; a program with a row
+        # they cannot vouch for redoes its tile with the exact rounds.
+        if not SOFTMAX and NUM_GROUPS == 1:
+            # Sigmoid: the keys come from an approximate score (a margin in
+            # `_top_k_keyed` covers its error); the exact one is computed for the
+            # K picks only, below, as it always was.
+            v = _sigmoid_approx(x, col, INTERPRET)
+            if HAS_BIAS:
+                v = v + bias[None, :]
+            i_tile, unsure = _top_k_keyed(_nan_as_neg_inf(v, INTERPRET), col_ok, E, TOP_K,
+                                          BLOCK_E, BLOCK_K, SIGMOID_APPROX_ERROR)
+        else:
+            sel = _selection(x, row_max, row_den, bias, col, E, group_size, SOFTMAX,
+                             HAS_BIAS, NUM_GROUPS, TOPK_GROUPS, BLOCK_ROWS, BLOCK_E, BLOCK_G,
+                             INTERPRET)
+            i_tile, unsure = _top_k_keyed(sel, col_ok, E, TOP_K, BLOCK_E, BLOCK_K, 0.0)
+        if tl.max(unsure.to(tl.int32), 0) > 0:
+            # The logits again (L1/L2-hot), rather than keeping the tile live in
+            # registers through the rounds for this rare branch.
+            x = tl.load(row_base[:, None] + col[None, :] * stride_le,
+                        mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+            x = tl.where(col_ok[None, :], x, float("-inf"))
+            sel = _selection(x, row_max, row_den, bias, col, E, group_size, SOFTMAX,
+                             HAS_BIAS, NUM_GROUPS, TOPK_GROUPS, BLOCK_ROWS, BLOCK_E, BLOCK_G,
+                             INTERPRET)
+            # NaN marks "not selectable": padding columns now, taken experts later.
+            ms = tl.where(col_ok[None, :], sel, float("nan"))
+            x_sel, i_tile = _top_k_rounds(ms, x, x_sel, i_tile, E, TOP_K, BLOCK_E, BLOCK_K,
+                                          FROM_TILE, INTERPRET)
     else:
-        for k in range(TOP_K):
-            ms, x_sel, i_tile = _take_best(ms, x, x_sel, i_tile, k, E, BLOCK_E, BLOCK_K,
-                                           FROM_TILE, INTERPRET)
+        sel = _selection(x, row_max, row_den, bias, col, E, group_size, SOFTMAX, HAS_BIAS,
+                         NUM_GROUPS, TOPK_GROUPS, BLOCK_ROWS, BLOCK_E, BLOCK_G, INTERPRET)
+        ms = tl.where(col_ok[None, :], sel, float("nan"))
+        x_sel, i_tile = _top_k_rounds(ms, x, x_sel, i_tile, E, TOP_K, BLOCK_E, BLOCK_K,
+                                      FROM_TILE, INTERPRET)
 
     # The probabilities come from the unbiased scores: recompute them from the
     # picked logits, gathered once for all K (L1/L2-cached loads) unless FROM_TILE.
@@ -295,7 +464,7 @@ def _route_kernel(
     ROUTE_NORM: tl.constexpr, NUM_GROUPS: tl.constexpr, TOPK_GROUPS: tl.constexpr,
     BLOCK_ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_G: tl.constexpr, ITERS: tl.constexpr, INTERPRET: tl.constexpr,
-    COUNT_T: tl.constexpr = 0,
+    COUNT_T: tl.constexpr = 0, KEYED: tl.constexpr = True,
 ):
     """Top-k routing of ITERS blocks of BLOCK_ROWS tokens of one head.
 
@@ -336,7 +505,7 @@ def _route_kernel(
         _route_rows(x, rows, row_base, h, bias_ptr, probs_ptr, indices_ptr, counts_ptr,
                     S, NB, group_size, norm_eps, route_scale, stride_le,
                     E, TOP_K, SOFTMAX, HAS_BIAS, ROUTE_NORM, NUM_GROUPS, TOPK_GROUPS,
-                    BLOCK_ROWS, BLOCK_E, BLOCK_K, BLOCK_G, COUNT_T, False, INTERPRET)
+                    BLOCK_ROWS, BLOCK_E, BLOCK_K, BLOCK_G, COUNT_T, False, INTERPRET, KEYED)
         x = x_next
         rows = next_rows
         row_base = next_base
@@ -407,6 +576,7 @@ def _logits_route_kernel(
     BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr, WRITE_LOGITS: tl.constexpr,
     FROM_TILE: tl.constexpr, INTERPRET: tl.constexpr, ROUTE: tl.constexpr = True,
     COUNT_T: tl.constexpr = 0, HALF_STORES: tl.constexpr = False, BLOCK_N: tl.constexpr = 0,
+    ONE_PASS: tl.constexpr = False, l_desc=None,
 ):
     """Router logits and top-k routing of BLOCK_S tokens of one head, in one pass.
 
@@ -465,20 +635,41 @@ def _logits_route_kernel(
     # loaded the next x into those registers while the previous step's second wgmma was
     # still reading them (undefined in PTX): on an H200, wrong logits in about one call in
     # three at S = 32768 with 3 stages (NOTES.md, routing v8).
-    for d0 in range(0, D, BLOCK_D):
-        xt = x_desc.load([s0, h * D + d0])
-        acc = _dot_exact(xt, w_desc.load([(2 * H + h) * E + n0, d0]).T, acc, INTERPRET)
-        acc = _dot_exact(xt, w_desc.load([(H + h) * E + n0, d0]).T, acc, INTERPRET)
-    for d0 in range(0, D, BLOCK_D):
-        xt = x_desc.load([s0, h * D + d0])
-        acc = _dot_exact(xt, w_desc.load([h * E + n0, d0]).T, acc, INTERPRET)
+    if ONE_PASS:
+        # One pass over D, x read once: the small parts into their own accumulator,
+        # added once at the end (one more rounding than the two passes below).
+        small = tl.zeros([BLOCK_S, BLOCK_N], dtype=tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            xt = x_desc.load([s0, h * D + d0])
+            small = _dot_exact(xt, w_desc.load([(2 * H + h) * E + n0, d0]).T, small, INTERPRET)
+            small = _dot_exact(xt, w_desc.load([(H + h) * E + n0, d0]).T, small, INTERPRET)
+            acc = _dot_exact(xt, w_desc.load([h * E + n0, d0]).T, acc, INTERPRET)
+        acc = acc + small
+    else:
+        for d0 in range(0, D, BLOCK_D):
+            xt = x_desc.load([s0, h * D + d0])
+            acc = _dot_exact(xt, w_desc.load([(2 * H + h) * E + n0, d0]).T, acc, INTERPRET)
+            acc = _dot_exact(xt, w_desc.load([(H + h) * E + n0, d0]).T, acc, INTERPRET)
+        for d0 in range(0, D, BLOCK_D):
+            xt = x_desc.load([s0, h * D + d0])
+            acc = _dot_exact(xt, w_desc.load([h * E + n0, d0]).T, acc, INTERPRET)
 
     rows = s0 + tl.arange(0, BLOCK_S)
     row_ok = rows < S
     # int64: H * S * E passes 2**31 at long sequences.
     row_base = logits_ptr + (h.to(tl.int64) * S + rows.to(tl.int64)) * E + n0
     if not ROUTE:
-        if HALF_STORES and BLOCK_N >= 32:
+        if l_desc is not None:
+            # Bulk (TMA) stores from shared memory: the warps hand the tile over and go
+            # on, instead of holding their registers until each st.global has read them.
+            # l_desc is logits [H, S, E] in [1, BLOCK_S, N] boxes: rows past S are clipped.
+            if HALF_STORES and BLOCK_N >= 32:
+                lo, hi = acc.reshape(BLOCK_S, 2, BLOCK_N // 2).permute(0, 2, 1).split()
+                l_desc.store([h, s0, n0], lo.reshape(1, BLOCK_S, BLOCK_N // 2))
+                l_desc.store([h, s0, n0 + BLOCK_N // 2], hi.reshape(1, BLOCK_S, BLOCK_N // 2))
+            else:
+                l_desc.store([h, s0, n0], acc.reshape(1, BLOCK_S, BLOCK_N))
+        elif HALF_STORES and BLOCK_N >= 32:
             # Two stores of half the columns: the layout change before each store goes
             # through half the shared memory (in the wgmma layout a thread holds columns
             # of both halves, so the split itself moves nothing).
@@ -752,9 +943,10 @@ def _route_config(S: int, E: int, block_rows: int | None, num_warps: int | None,
     A warp covers 128 fp32 columns (32 lanes x 16-byte loads); a wider row
     would be split across warps, so E > 128 gets one warp per program. About
     16 scores per thread: few registers, many programs per SM (2 rows of
-    256: 79 registers, 0.36 ms at S=32768 on an H200, against 0.37-0.60 ms for
-    4, 8 or 16 rows). ITERS = 1: prefetching the next tile in a loop measured
-    slower (0.38-0.42 ms for 4-8 tiles a program), the kernel is issue-bound.
+    256 on packed keys: 56 registers, 0.20 ms at S=32768 on an H200, against
+    0.21-0.46 ms for 4 or 8 rows and 0.25 for 1; the exact rounds: 0.34).
+    ITERS = 1: 2 or 4 tiles a program, the next one loaded first, measured no
+    faster (0.197-0.201 ms; NOTES.md routing v9).
     """
     BLOCK_E = triton.next_power_of_2(max(E, 1))
     if num_warps is None:
@@ -785,6 +977,7 @@ def triton_route(
     block_rows: int | None = None,
     num_warps: int | None = None,
     iters: int | None = None,
+    keyed: bool = True,
 ) -> tuple[torch.Tensor, ...]:
     """Triton twin of `reference.route_reference` (one launch, no host sync).
 
@@ -795,7 +988,9 @@ def triton_route(
     Same semantics as the reference, NaN included: a NaN selection score
     counts as -inf, indices always lie in [0, E), other rows are untouched.
     Arguments are otherwise assumed valid (`routing.route` checks them);
-    block_rows, num_warps and iters override the tile choice (tests, tuning).
+    block_rows, num_warps and iters override the tile choice (tests, tuning);
+    keyed=False takes the exact top-k rounds for every row instead of the packed
+    keys (`_top_k_keyed`): the same results, bitwise, more instructions.
 
     count_block_t (a power of two, usually `layout_block_t(top_k)`): also return
     counts [H, cdiv(S, count_block_t), E] int32, the routes of each expert per
@@ -822,13 +1017,13 @@ def triton_route(
     if H and S:
         _launch_route(logits, top_k, score_func, expert_bias, route_norm, norm_eps, route_scale,
                       num_groups, topk_groups, probs, indices, counts, count_block_t or 0,
-                      block_rows, num_warps, iters)
+                      block_rows, num_warps, iters, keyed)
     return (probs, indices) if counts is None else (probs, indices, counts)
 
 
 def _launch_route(logits, top_k, score_func, expert_bias, route_norm, norm_eps, route_scale,
                   num_groups, topk_groups, probs, indices, counts, count_t,
-                  block_rows=None, num_warps=None, iters=None) -> None:
+                  block_rows=None, num_warps=None, iters=None, keyed=True) -> None:
     """`_route_kernel` on fp32 logits [H, S, E] into probs and indices (and, count_t > 0,
     adding into counts [H, cdiv(S, count_t), E], zeroed by the caller)."""
     H, S, E = logits.shape
@@ -846,7 +1041,7 @@ def _launch_route(logits, top_k, score_func, expert_bias, route_norm, norm_eps, 
         ROUTE_NORM=bool(route_norm), NUM_GROUPS=num_groups, TOPK_GROUPS=topk_groups,
         BLOCK_ROWS=BLOCK_ROWS, BLOCK_E=BLOCK_E, BLOCK_K=triton.next_power_of_2(top_k),
         BLOCK_G=triton.next_power_of_2(num_groups), ITERS=ITERS, INTERPRET=_interpreting(),
-        COUNT_T=count_t if counts is not None else 0, num_warps=warps,
+        COUNT_T=count_t if counts is not None else 0, KEYED=bool(keyed), num_warps=warps,
     )
 
 
@@ -998,6 +1193,11 @@ def triton_logits_route(
     block_n = min(cfg.block_e or E, E) if cfg.split else E
     w_desc = TensorDescriptor.from_tensor(parts.view(3 * H * E, D), [block_n, block_d])
     count_t = count_block_t if counts is not None else 0
+    l_desc = None
+    if cfg.split and cfg.tma_store:
+        half = cfg.half_stores and block_n >= 32
+        l_desc = TensorDescriptor.from_tensor(
+            logits, [1, cfg.block_s, block_n // 2 if half else block_n])
     _logits_route_kernel[(triton.cdiv(S, cfg.block_s), H * (E // block_n))](
         x_desc, w_desc, logits, bias, probs, indices,
         probs if counts is None else counts,  # a placeholder pointer when not counting
@@ -1009,6 +1209,7 @@ def triton_logits_route(
         BLOCK_K=triton.next_power_of_2(top_k), BLOCK_G=triton.next_power_of_2(num_groups),
         WRITE_LOGITS=write_logits, FROM_TILE=cfg.from_tile, INTERPRET=_interpreting(),
         ROUTE=not cfg.split, COUNT_T=count_t, HALF_STORES=cfg.half_stores, BLOCK_N=block_n,
+        ONE_PASS=cfg.one_pass, l_desc=l_desc,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if cfg.split:
