@@ -196,7 +196,6 @@ class LogitsRouteConfig:
     split: bool = False
     half_stores: bool = False
     block_e: int | None = None
-    one_pass: bool = False
     tma_store: bool = False
 
     def __post_init__(self) -> None:

@@ -576,7 +576,7 @@ def _logits_route_kernel(
     BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr, WRITE_LOGITS: tl.constexpr,
     FROM_TILE: tl.constexpr, INTERPRET: tl.constexpr, ROUTE: tl.constexpr = True,
     COUNT_T: tl.constexpr = 0, HALF_STORES: tl.constexpr = False, BLOCK_N: tl.constexpr = 0,
-    ONE_PASS: tl.constexpr = False, l_desc=None,
+    l_desc=None,
 ):
     """Router logits and top-k routing of BLOCK_S tokens of one head, in one pass.
 
@@ -635,24 +635,13 @@ def _logits_route_kernel(
     # loaded the next x into those registers while the previous step's second wgmma was
     # still reading them (undefined in PTX): on an H200, wrong logits in about one call in
     # three at S = 32768 with 3 stages (NOTES.md, routing v8).
-    if ONE_PASS:
-        # One pass over D, x read once: the small parts into their own accumulator,
-        # added once at the end (one more rounding than the two passes below).
-        small = tl.zeros([BLOCK_S, BLOCK_N], dtype=tl.float32)
-        for d0 in range(0, D, BLOCK_D):
-            xt = x_desc.load([s0, h * D + d0])
-            small = _dot_exact(xt, w_desc.load([(2 * H + h) * E + n0, d0]).T, small, INTERPRET)
-            small = _dot_exact(xt, w_desc.load([(H + h) * E + n0, d0]).T, small, INTERPRET)
-            acc = _dot_exact(xt, w_desc.load([h * E + n0, d0]).T, acc, INTERPRET)
-        acc = acc + small
-    else:
-        for d0 in range(0, D, BLOCK_D):
-            xt = x_desc.load([s0, h * D + d0])
-            acc = _dot_exact(xt, w_desc.load([(2 * H + h) * E + n0, d0]).T, acc, INTERPRET)
-            acc = _dot_exact(xt, w_desc.load([(H + h) * E + n0, d0]).T, acc, INTERPRET)
-        for d0 in range(0, D, BLOCK_D):
-            xt = x_desc.load([s0, h * D + d0])
-            acc = _dot_exact(xt, w_desc.load([h * E + n0, d0]).T, acc, INTERPRET)
+    for d0 in range(0, D, BLOCK_D):
+        xt = x_desc.load([s0, h * D + d0])
+        acc = _dot_exact(xt, w_desc.load([(2 * H + h) * E + n0, d0]).T, acc, INTERPRET)
+        acc = _dot_exact(xt, w_desc.load([(H + h) * E + n0, d0]).T, acc, INTERPRET)
+    for d0 in range(0, D, BLOCK_D):
+        xt = x_desc.load([s0, h * D + d0])
+        acc = _dot_exact(xt, w_desc.load([h * E + n0, d0]).T, acc, INTERPRET)
 
     rows = s0 + tl.arange(0, BLOCK_S)
     row_ok = rows < S
@@ -1209,7 +1198,7 @@ def triton_logits_route(
         BLOCK_K=triton.next_power_of_2(top_k), BLOCK_G=triton.next_power_of_2(num_groups),
         WRITE_LOGITS=write_logits, FROM_TILE=cfg.from_tile, INTERPRET=_interpreting(),
         ROUTE=not cfg.split, COUNT_T=count_t, HALF_STORES=cfg.half_stores, BLOCK_N=block_n,
-        ONE_PASS=cfg.one_pass, l_desc=l_desc,
+        l_desc=l_desc,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if cfg.split:
