@@ -288,11 +288,15 @@ def _top_k_keyed(v, col_ok, E: tl.constexpr, TOP_K: tl.constexpr, BLOCK_E: tl.co
     Exactness. Let a_1 > ... > a_{K+1} be a row's top K + 1 keys (top K when
     K = E), L(a) and U(a) the least and greatest values of a's bucket, and D the
     most an exact selection score can differ from its v: ERROR plus the
-    roundings of the bias additions (2^-22 |value| covers both). If
+    roundings of the bias additions (bounded by 2^-22 |value|, see below). If
     L(a_r) - U(a_{r+1}) > 2 D for every r, then the exact scores of a_1 .. a_K
     are in strictly decreasing order, and every other column, whose key is below
     a_{K+1}, has an exact score below a_K's: the top K, and its order, are the
-    exact ones, with no tie for the reference's tie order to break. Otherwise
+    exact ones, with no tie for the reference's tie order to break. (A column's
+    v and exact score, fl(s~ + b) and fl(s + b), differ by at most ERROR plus
+    2^-24 (|v| + |exact|); that bound grows with the value, so the worst column
+    under a_{K+1} sits at the top of a_{K+1}'s bucket. The margin allows twice
+    what the roundings need, which also covers the rounding of lo - hi itself.) Otherwise
     (near-ties, equal scores, -inf or inf among the top, whose buckets decode to
     NaN) the row is unsure. Padding columns get key 0, below every real key (-inf
     maps above BLOCK_E), and are never reached while K <= E. The scores are never
@@ -401,7 +405,8 @@ def _route_rows(
                              HAS_BIAS, NUM_GROUPS, TOPK_GROUPS, BLOCK_ROWS, BLOCK_E, BLOCK_G,
                              INTERPRET)
             i_tile, unsure = _top_k_keyed(sel, col_ok, E, TOP_K, BLOCK_E, BLOCK_K, 0.0)
-        if tl.max(unsure.to(tl.int32), 0) > 0:
+        # Rows past S (read as zeros: tied scores) need no exact redo.
+        if tl.max((unsure & row_ok).to(tl.int32), 0) > 0:
             # The logits again (L1/L2-hot), rather than keeping the tile live in
             # registers through the rounds for this rare branch.
             x = tl.load(row_base[:, None] + col[None, :] * stride_le,
