@@ -149,10 +149,10 @@ def route_tokens(
     on and x_heads or gate requiring grad; the backward is the unfused path's),
     or when its tile configuration routes them from memory (split, or the fused
     kernel's read-back gather); no host synchronisation either way. Speed on an
-    H200 at MAGI-2 dims (benchmarks/NOTES.md, routing v8): 0.67 ms against 1.75
-    for cuBLAS + route at S=32768, 0.10 against 0.24 at 4096, 0.075 against 0.077
-    at 1024, where launches bound both (a CUDA graph replays the whole route +
-    layout in 0.04 ms). One path at every S: the same logits for any batch size.
+    H200 at MAGI-2 dims (benchmarks/NOTES.md, routing v9): 0.49 ms against 1.61
+    for cuBLAS + route at S=32768; at 1024 tokens launches bound both (a CUDA
+    graph replays the whole route + layout in 0.03 ms). One path at every S: the
+    same logits for any batch size.
 
     block_counts: return a third value for `sort_routes(..., block_counts=)`: the
     routes of each expert per block of tokens ([H, cdiv(S, T), E] int32, T =

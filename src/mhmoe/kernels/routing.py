@@ -246,7 +246,7 @@ def _selection(x, row_max, row_den, bias, col, E: tl.constexpr, group_size,
     sel = _score(x, row_max[:, None], row_den[:, None], SOFTMAX, INTERPRET)
     if HAS_BIAS:
         sel = sel + bias[None, :]
-    sel = tl.where(sel != sel, float("-inf"), sel)
+    sel = _nan_as_neg_inf(sel, INTERPRET)
     if NUM_GROUPS > 1:
         sel = _keep_best_groups(sel, col, E, group_size, NUM_GROUPS, TOPK_GROUPS,
                                 BLOCK_ROWS, BLOCK_E, BLOCK_G, INTERPRET)
@@ -350,6 +350,31 @@ def _block_ranks(e, valid, R: tl.constexpr):
 
 
 @triton.jit
+def _logits_tile(row_base, ok, col, col_ok, stride_le):
+    """The [rows, BLOCK_E] logits at row_base[r] + col * stride_le: rows not ok read
+    0.0 (no NaN arithmetic on them), padding columns -inf (a score of 0 under either
+    score function)."""
+    x = tl.load(row_base[:, None] + col[None, :] * stride_le,
+                mask=ok[:, None] & col_ok[None, :], other=0.0)
+    return tl.where(col_ok[None, :], x, float("-inf"))
+
+
+@triton.jit
+def _top_k_exact(x, row_max, row_den, bias, x_sel, i_tile, col, col_ok, E: tl.constexpr,
+                 group_size, TOP_K: tl.constexpr, SOFTMAX: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, NUM_GROUPS: tl.constexpr, TOPK_GROUPS: tl.constexpr,
+                 BLOCK_ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                 BLOCK_G: tl.constexpr, FROM_TILE: tl.constexpr, INTERPRET: tl.constexpr):
+    """The exact selection scores of x, then TOP_K exact rounds: (x_sel, i_tile)."""
+    sel = _selection(x, row_max, row_den, bias, col, E, group_size, SOFTMAX, HAS_BIAS,
+                     NUM_GROUPS, TOPK_GROUPS, BLOCK_ROWS, BLOCK_E, BLOCK_G, INTERPRET)
+    # NaN marks "not selectable": padding columns now, taken experts later.
+    ms = tl.where(col_ok[None, :], sel, float("nan"))
+    return _top_k_rounds(ms, x, x_sel, i_tile, E, TOP_K, BLOCK_E, BLOCK_K, FROM_TILE,
+                         INTERPRET)
+
+
+@triton.jit
 def _route_rows(
     x, rows, row_base, h, bias_ptr, probs_ptr, indices_ptr, counts_ptr,
     S, NB, group_size, norm_eps, route_scale, stride_le,
@@ -409,22 +434,16 @@ def _route_rows(
         if tl.max((unsure & row_ok).to(tl.int32), 0) > 0:
             # The logits again (L1/L2-hot), rather than keeping the tile live in
             # registers through the rounds for this rare branch.
-            x = tl.load(row_base[:, None] + col[None, :] * stride_le,
-                        mask=row_ok[:, None] & col_ok[None, :], other=0.0)
-            x = tl.where(col_ok[None, :], x, float("-inf"))
-            sel = _selection(x, row_max, row_den, bias, col, E, group_size, SOFTMAX,
-                             HAS_BIAS, NUM_GROUPS, TOPK_GROUPS, BLOCK_ROWS, BLOCK_E, BLOCK_G,
-                             INTERPRET)
-            # NaN marks "not selectable": padding columns now, taken experts later.
-            ms = tl.where(col_ok[None, :], sel, float("nan"))
-            x_sel, i_tile = _top_k_rounds(ms, x, x_sel, i_tile, E, TOP_K, BLOCK_E, BLOCK_K,
-                                          FROM_TILE, INTERPRET)
+            x = _logits_tile(row_base, row_ok, col, col_ok, stride_le)
+            x_sel, i_tile = _top_k_exact(x, row_max, row_den, bias, x_sel, i_tile, col, col_ok,
+                                         E, group_size, TOP_K, SOFTMAX, HAS_BIAS, NUM_GROUPS,
+                                         TOPK_GROUPS, BLOCK_ROWS, BLOCK_E, BLOCK_K, BLOCK_G,
+                                         FROM_TILE, INTERPRET)
     else:
-        sel = _selection(x, row_max, row_den, bias, col, E, group_size, SOFTMAX, HAS_BIAS,
-                         NUM_GROUPS, TOPK_GROUPS, BLOCK_ROWS, BLOCK_E, BLOCK_G, INTERPRET)
-        ms = tl.where(col_ok[None, :], sel, float("nan"))
-        x_sel, i_tile = _top_k_rounds(ms, x, x_sel, i_tile, E, TOP_K, BLOCK_E, BLOCK_K,
-                                      FROM_TILE, INTERPRET)
+        x_sel, i_tile = _top_k_exact(x, row_max, row_den, bias, x_sel, i_tile, col, col_ok, E,
+                                     group_size, TOP_K, SOFTMAX, HAS_BIAS, NUM_GROUPS,
+                                     TOPK_GROUPS, BLOCK_ROWS, BLOCK_E, BLOCK_K, BLOCK_G,
+                                     FROM_TILE, INTERPRET)
 
     # The probabilities come from the unbiased scores: recompute them from the
     # picked logits, gathered once for all K (L1/L2-cached loads) unless FROM_TILE.
@@ -495,18 +514,12 @@ def _route_kernel(
     # int64 row offsets: H * S * E can pass 2**31 at long sequences.
     head_base = logits_ptr + h.to(tl.int64) * stride_lh
     row_base = head_base + rows.to(tl.int64) * stride_ls
-    # Rows past S read 0.0 (no NaN arithmetic on them); padding columns hold
-    # -inf, which scores 0 under either score function.
-    x = tl.load(row_base[:, None] + col[None, :] * stride_le,
-                mask=(rows < S)[:, None] & col_ok[None, :], other=0.0)
-    x = tl.where(col_ok[None, :], x, float("-inf"))
+    x = _logits_tile(row_base, rows < S, col, col_ok, stride_le)
     for it in range(ITERS):
         next_rows = rows + BLOCK_ROWS
         next_base = head_base + next_rows.to(tl.int64) * stride_ls
         next_ok = (next_rows < S) & (it + 1 < ITERS)
-        x_next = tl.load(next_base[:, None] + col[None, :] * stride_le,
-                         mask=next_ok[:, None] & col_ok[None, :], other=0.0)
-        x_next = tl.where(col_ok[None, :], x_next, float("-inf"))
+        x_next = _logits_tile(next_base, next_ok, col, col_ok, stride_le)
         _route_rows(x, rows, row_base, h, bias_ptr, probs_ptr, indices_ptr, counts_ptr,
                     S, NB, group_size, norm_eps, route_scale, stride_le,
                     E, TOP_K, SOFTMAX, HAS_BIAS, ROUTE_NORM, NUM_GROUPS, TOPK_GROUPS,
