@@ -73,6 +73,9 @@ def compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int, num_stag
     if not isinstance(fn, JITFunction):
         raise RuntimeError("sass_audit: kernels are interpreted here (TRITON_INTERPRET=1); "
                            "compile without it")
+    # Arguments left out take their defaults, as at a launch (ASTSource alone would not).
+    constexprs = {**{p.name: p.default for p in fn.params
+                     if p.has_default and p.name not in signature}, **constexprs}
     sig = {**signature, **{k: "constexpr" for k in constexprs}}
     attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]]
              for k, t in sig.items() if t.startswith("*") or k in divisible}
@@ -224,8 +227,7 @@ def _cases():
                 TOPK_GROUPS=1, BLOCK_S=c.block_s, BLOCK_D=c.block_d,
                 BLOCK_K=triton.next_power_of_2(K), BLOCK_G=1, WRITE_LOGITS=True,
                 FROM_TILE=c.from_tile, INTERPRET=False, ROUTE=not c.split,
-                COUNT_T=routing.layout_block_t(K), HALF_STORES=c.half_stores, BLOCK_N=bn,
-                **({} if tma_store else {"l_desc": None})),
+                COUNT_T=routing.layout_block_t(K), HALF_STORES=c.half_stores, BLOCK_N=bn),
            c.num_warps, c.num_stages, ("S",))
 
     tma = expert_forward.tma_fits(D, I, 2)
