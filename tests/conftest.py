@@ -8,6 +8,14 @@ import os
 import random
 import zlib
 
+# The interpreter's tl.dot is numpy's matmul, i.e. OpenBLAS's sgemm. Its FMA kernels
+# (Haswell, SkylakeX, ...) sum an output's products in an order that depends on the
+# matrix's width and on the CPU, so a kernel's logits would change bitwise with its
+# tile of experts, which on the GPU (one MMA chain per output) they do not. The SSE
+# kernel sums each output's products in order, one rounding each, whatever the shape.
+# OpenBLAS reads this when numpy loads it, so it is set before anything imports numpy.
+os.environ["OPENBLAS_CORETYPE"] = "Prescott"
+
 import pytest
 import torch
 

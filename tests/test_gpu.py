@@ -31,6 +31,17 @@ def make_layer(config, seed=0, deterministic=False):
     return layer
 
 
+def full_size_router_inputs(seed):
+    """MAGI-2's router at its full S: x [S, H, D] bf16, gate [H, E, D], bias [H, E]."""
+    cfg = MAGI2
+    S, H, E, D = 32768, cfg.num_heads, cfg.num_experts, cfg.head_dim
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(S, H, D, device="cuda", generator=gen).bfloat16()
+    gate = torch.randn(H, E, D, device="cuda", generator=gen) * D**-0.5
+    bias = torch.randn(H, E, device="cuda", generator=gen) * 0.01
+    return x, gate, bias
+
+
 @pytest.fixture(scope="module")
 def magi2_layer():
     return make_layer(MAGI2, seed=1)
@@ -191,11 +202,8 @@ def test_router_logits_repeatable_at_full_size():
     from mhmoe.kernels.routing import layout_block_t, triton_logits_route
 
     cfg = MAGI2
-    S, H, E, D = 32768, cfg.num_heads, cfg.num_experts, cfg.head_dim
-    gen = torch.Generator(device="cuda").manual_seed(11)
-    x = torch.randn(S, H, D, device="cuda", generator=gen).bfloat16()
-    gate = torch.randn(H, E, D, device="cuda", generator=gen) * D**-0.5
-    bias = torch.randn(H, E, device="cuda", generator=gen) * 0.01
+    D = cfg.head_dim
+    x, gate, bias = full_size_router_inputs(11)
     exact = torch.einsum("shd,hed->hse", x.double(), gate.double())
     bound = D * 2.0**-24 * torch.einsum("shd,hed->hse", x.double().abs(), gate.double().abs())
     kw = dict(expert_bias=bias, route_norm=True, route_scale=cfg.route_scale,
@@ -256,6 +264,38 @@ def test_keyed_route_equals_exact_rounds_at_full_size():
         keyed = kr.triton_route(logits, K, block_rows=block_rows, **kw)
         assert torch.equal(keyed[0].nan_to_num(7.0), exact[0].nan_to_num(7.0)), block_rows
         assert torch.equal(keyed[1], exact[1]) and torch.equal(keyed[2], exact[2]), block_rows
+
+
+def test_shortlist_route_equals_full_rows_at_full_size():
+    # The sm_90 default routes each row from its column blocks' shortlists; against the
+    # route kernel on whole rows (shortlist=False) at MAGI-2's S, H, E, K, with rows and
+    # experts made to defeat the shortlists (exact ties from duplicated experts, zero,
+    # NaN and inf tokens): probs, indices, counts and logits bitwise, on every call.
+    import dataclasses
+
+    from mhmoe.kernels.routing import layout_block_t, logits_route_config, triton_logits_route
+
+    cfg = MAGI2
+    x, gate, bias = full_size_router_inputs(17)
+    gate[:, 7] = gate[:, 5]          # experts 5 and 7 tie on every token
+    bias[:, 7] = bias[:, 5]
+    gate[:, 200:206] = gate[:, 100:101]  # seven equal experts, six in the other block
+    bias[:, 200:206] = bias[:, 100:101]
+    x[0] = 0.0                       # every logit 0
+    x[1, :, 0] = float("inf")
+    x[2, :, 3] = float("nan")
+    x[3:40] *= 4.0                   # saturated sigmoids
+    default = logits_route_config(torch.device("cuda"))
+    assert default.shortlist
+    kw = dict(expert_bias=bias, route_scale=cfg.route_scale, return_logits=True,
+              count_block_t=layout_block_t(cfg.top_k))
+    full = triton_logits_route(x, gate, cfg.top_k, cfg.score_func,
+                               config=dataclasses.replace(default, shortlist=False), **kw)
+    for call in range(6):
+        scribble_freed_memory(call * 7907 + 3)
+        out = triton_logits_route(x, gate, cfg.top_k, cfg.score_func, **kw)
+        for a, b in zip(out, full, strict=True):  # probs, indices, logits, counts
+            assert torch.equal(a.nan_to_num(7.0, 8.0, 9.0), b.nan_to_num(7.0, 8.0, 9.0)), call
 
 
 def test_expert_kernels_repeatable_at_full_size(magi2_layer):

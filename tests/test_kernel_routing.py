@@ -296,6 +296,110 @@ def test_keyed_margin_flags_exactly_the_rows_it_must():
         False, False, False, True, True, True, False]
 
 
+@triton.jit
+def _shortlist_probe_kernel(logits_ptr, bias_ptr, short_ptr, S, E: tl.constexpr,
+                            TOP_K: tl.constexpr, SHORT: tl.constexpr, BLOCK_S: tl.constexpr,
+                            BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, ERROR: tl.constexpr,
+                            INTERPRET: tl.constexpr):
+    # The logits kernel's shortlist epilogue on a tile read from logits [H, S, E] (so
+    # that hand-made logits reach it), written as the logits kernel writes it.
+    NSPLIT: tl.constexpr = E // BLOCK_N
+    b = tl.program_id(0)
+    h = tl.program_id(1) // NSPLIT
+    n = tl.program_id(1) % NSPLIT
+    rows = b * BLOCK_S + tl.arange(0, BLOCK_S)
+    col = n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.load(logits_ptr + (h * S + rows)[:, None] * E + col[None, :],
+                  mask=(rows < S)[:, None], other=0.0)
+    kr._write_shortlist(acc, b * BLOCK_S, h, n, bias_ptr, short_ptr, S, E, TOP_K, SHORT,
+                        BLOCK_S, BLOCK_N, HAS_BIAS, ERROR, INTERPRET)
+
+
+def _shortlist_route(logits, top_k, bias, block_n, count_t, block_rows=None, error=None):
+    """Shortlists of logits [H, S, E] by the logits kernel's epilogue, then the shortlist
+    route kernel: (probs, indices, counts, shortlists)."""
+    H, S, E = logits.shape
+    short_n = min(triton.next_power_of_2(top_k), block_n)
+    logits = logits.to(DEVICE).contiguous()
+    short = torch.empty(H, S, (E // block_n) * short_n, dtype=torch.int16, device=DEVICE)
+    b = None if bias is None else bias.to(DEVICE).contiguous()
+    _shortlist_probe_kernel[(triton.cdiv(S, 32), H * (E // block_n))](
+        logits, logits if b is None else b, short, S, E=E, TOP_K=top_k, SHORT=short_n,
+        BLOCK_S=32, BLOCK_N=block_n, HAS_BIAS=b is not None,
+        ERROR=kr.SIGMOID_APPROX_ERROR.value if error is None else error,
+        INTERPRET=kr._interpreting())
+    probs = torch.empty(H, S, top_k, device=DEVICE)
+    indices = torch.empty(H, S, top_k, dtype=torch.int64, device=DEVICE)
+    counts = torch.zeros(H, triton.cdiv(S, count_t), E, dtype=torch.int32, device=DEVICE)
+    kr._launch_shortlist_route(short, logits, top_k, b, True, 1e-12, 4.9, probs, indices,
+                               counts, count_t, block_rows=block_rows)
+    return probs, indices, counts, short
+
+
+# numpy warns on the interpreter's inf - inf of NaN rows (NaN, as in torch)
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("bias_scale", [None, 0.02, 1e4])
+@pytest.mark.parametrize("E,K,block_n", [
+    (256, 6, 128),  # MAGI-2: two column blocks of 128, lists of 8
+    (32, 3, 16),    # lists of 4 of 16
+    (64, 7, 16),    # lists of 8 = K + 1
+    (32, 16, 16),   # K >= the block: every expert listed, no row unsure
+    (16, 1, 16),    # one block, K = 1
+])
+def test_shortlist_route_equals_exact_rounds(rng, bias_scale, E, K, block_n):
+    # Each column block lists the next_pow2(K) experts of its largest keys per row (or
+    # marks the row unsure); the route kernel takes the exact top K from the lists, or
+    # routes unsure rows from all their logits. On every row (ties, near-ties, the
+    # interpreter's deliberately swapped pairs, inf, NaN) the results must be the exact
+    # rounds' on the whole row, bitwise: probs, indices, counts. And every list of a
+    # row not marked unsure holds the exact picks of its block.
+    H, S = 2, 23
+    logits = _hard_logits(rng, H, S, E)
+    bias = None if bias_scale is None else torch.randn(H, E, generator=rng) * bias_scale
+    if bias is not None:
+        for a, c in FLIP_PAIRS:  # the flip pairs stay near-tied
+            if c < E:
+                bias[:, a] = bias[:, c]
+    exact = triton_route(logits.to(DEVICE), K, "sigmoid",
+                         None if bias is None else bias.to(DEVICE), True, 1e-12, 4.9,
+                         keyed=False, count_block_t=4)
+    for block_rows in (None, 2):
+        p, i, c, short = _shortlist_route(logits, K, bias, block_n, 4, block_rows)
+        assert torch.equal(i, exact[1]) and torch.equal(c, exact[2])
+        assert torch.equal(p.nan_to_num(7.0), exact[0].nan_to_num(7.0))
+    sure = ~(short < 0).any(-1).cpu()
+    assert short.shape == (H, S, (E // block_n) * min(triton.next_power_of_2(K), block_n))
+    if block_n <= K:
+        assert sure.all()
+    short, picks = short.cpu().long(), exact[1].cpu()
+    for h, s in sure.nonzero().tolist():
+        assert set(picks[h, s].tolist()) <= set(short[h, s].tolist()), (h, s)
+
+
+def test_shortlist_margin_is_needed():
+    # Rows where the interpreter's approximate sigmoid (columns 0 mod 3 moved down by
+    # 2^-20 relative, 2 mod 3 up) ranks column 2 above column 0 though column 0's exact
+    # score is a few ulps higher, at x spread over the keys' buckets (E = 16: buckets of
+    # 16 ulps, narrower than the swap): with the error bound set to 0, many rows list the
+    # swapped column (K = 2, lists of 2) and the route is wrong; with the real bound every
+    # row is unsure and the route is exact (whole rows).
+    if not kr._interpreting():
+        pytest.skip("relies on the interpreter's perturbed sigmoid")
+    H, S, E, K = 1, 64, 16, 2
+    logits = torch.full((H, S, E), -6.0)
+    x = 3.0 + torch.arange(S) * 7.3e-7
+    logits[0, :, 1] = 8.0
+    logits[0, :, 0] = x + 2.6e-6
+    logits[0, :, 2] = x
+    exact = triton_route(logits.to(DEVICE), K, keyed=False, route_scale=4.9, count_block_t=4)
+    assert (exact[1][0, :, 1] == 0).all()
+    p, i, c, short = _shortlist_route(logits, K, None, 16, 4, 2)
+    assert torch.equal(i, exact[1]) and torch.equal(p, exact[0]) and torch.equal(c, exact[2])
+    assert (short < 0).all()
+    _, i0, _, _ = _shortlist_route(logits, K, None, 16, 4, 2, error=0.0)
+    assert (i0[0, :, 1] == 2).sum() >= S // 4
+
+
 def _check_layout(probs, indices, num_experts, **tile):
     # both ways of ranking (the default, "scatter", and "count", whose sub_t the tiles set)
     ref = sort_routes_reference(probs.float(), indices, num_experts)
@@ -698,11 +802,14 @@ def test_fused_tile_choice_does_not_change_results(rng, config):
     # the same dot products, each logit written once, in place
     # (and the same with bulk stores: S = 45 is not a multiple of the tile, so the last
     # tile's rows past S must be clipped, not written into the next head's rows)
-    for block_e, halves, tma in ((16, False, False), (32, True, False), (128, True, False),
-                                 (32, True, True), (16, False, True), (128, False, True)):
+    # (and shortlists: the route kernel routes from each column block's shortlist)
+    for block_e, halves, tma, short in (
+            (16, False, False, False), (32, True, False, False), (128, True, False, False),
+            (32, True, True, False), (16, False, True, False), (128, False, True, False),
+            (16, False, True, True), (32, True, False, True), (128, False, True, True)):
         part = LogitsRouteConfig(config.block_s, config.block_d, config.num_warps, 1, False,
                                  split=True, half_stores=halves, block_e=block_e,
-                                 tma_store=tma)
+                                 tma_store=tma, shortlist=short)
         p5, i5, logits5 = triton_logits_route(x.to(DEVICE), gate.to(DEVICE), 6, "sigmoid",
                                               bias.to(DEVICE), True, 1e-12, 4.9, config=part,
                                               return_logits=True)
@@ -752,6 +859,9 @@ def test_fused_route_nan_and_inf(rng):
     # split over the experts too: each program zeroes its own columns of the count rows
     (LogitsRouteConfig(block_s=32, block_d=32, num_warps=4, num_stages=1, from_tile=False,
                        split=True, half_stores=True, block_e=16), 8),
+    # shortlists of column blocks, bulk stores
+    (LogitsRouteConfig(block_s=16, block_d=32, num_warps=4, num_stages=1, from_tile=False,
+                       split=True, block_e=16, tma_store=True, shortlist=True), 8),
 ])
 def test_fused_route_counts(rng, config, count_t, monkeypatch):
     # logits + route with counts, fused or split: the same picks as without, counts of them,

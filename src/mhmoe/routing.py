@@ -149,7 +149,7 @@ def route_tokens(
     on and x_heads or gate requiring grad; the backward is the unfused path's),
     or when its tile configuration routes them from memory (split, or the fused
     kernel's read-back gather); no host synchronisation either way. Speed on an
-    H200 at MAGI-2 dims (benchmarks/NOTES.md, routing v9): 0.49 ms against 1.61
+    H200 at MAGI-2 dims (benchmarks/NOTES.md, routing v10): 0.48 ms against 1.60
     for cuBLAS + route at S=32768; at 1024 tokens launches bound both (a CUDA
     graph replays the whole route + layout in 0.03 ms). One path at every S: the
     same logits for any batch size.

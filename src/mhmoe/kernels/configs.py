@@ -186,6 +186,12 @@ class LogitsRouteConfig:
                 two >= 16 (None or >= E: all E). A program reads block_e rows of the
                 weight parts: tiles of many tokens and few experts read as few weight
                 bytes per token as tiles of all experts, in fewer registers.
+    tma_store:  with split, the logits leave through bulk (TMA) stores (sm_90).
+    shortlist:  with split, for sigmoid scores without groups and K <= 16: the logits
+                kernel also lists, per row and column block, the K experts
+                of its largest approximate keys, which hold the row's exact top K
+                (`routing._shortlist`), and `_shortlist_route_kernel` routes each row
+                from those few logits instead of all E (the same results, bitwise).
     """
 
     block_s: int
@@ -197,12 +203,15 @@ class LogitsRouteConfig:
     half_stores: bool = False
     block_e: int | None = None
     tma_store: bool = False
+    shortlist: bool = False
 
     def __post_init__(self) -> None:
         blocks = ("block_s", "block_d") + (("block_e",) if self.block_e is not None else ())
         check_tiles(self, blocks)
         if self.block_e is not None and not self.split:
             raise ValueError("LogitsRouteConfig.block_e needs split: routing takes whole rows")
+        if self.shortlist and not self.split:
+            raise ValueError("LogitsRouteConfig.shortlist needs split")
 
 
 # Hopper (sm_90). Compile-only numbers for E = D = 256, K = 6 (ptxas -v, sm_90a; NOTES.md):
@@ -231,7 +240,7 @@ class LogitsRouteConfig:
 LOGITS_ROUTE_CONFIGS = {
     (9, 0): LogitsRouteConfig(block_s=128, block_d=32, num_warps=4, num_stages=3,
                               from_tile=False, split=True, half_stores=True, block_e=128,
-                              tma_store=True),
+                              tma_store=True, shortlist=True),
 }
 # Other CUDA GPUs (no wgmma): 8 warps keep the tile at 64 registers a thread (sm_80: no spills).
 _LOGITS_ROUTE_GENERIC = LogitsRouteConfig(block_s=64, block_d=32, num_warps=8, num_stages=2,

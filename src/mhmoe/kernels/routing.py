@@ -42,6 +42,18 @@ into three bf16 parts, see `_logits_route_kernel`) and routes it in registers
 with the same code (`_route_rows`): no fp32 GEMM on CUDA cores, and the
 logits reach memory only when wanted (the backward, or the gather).
 
+Shortlists (the sm_90 default for sigmoid scores without groups, K <= 16). The
+split logits kernel computes [BLOCK_S, BLOCK_N] tiles (a block of the experts),
+stores them, and lists for each row the next_pow2(K) experts of its largest
+packed keys (`_shortlist`, the route kernel's keys). Where the keys' K-th and
+(next_pow2(K) + 1)-th values are apart by more than the margin, every expert
+left out has K experts of its block with a strictly greater exact selection
+score, so the row's exact top K lies in its blocks' lists, and
+`_shortlist_route_kernel` picks it from them (their logits read by id) with
+exact scores and the exact rounds: bitwise the whole-row results, from 2 x 8
+logits a row instead of 256 at MAGI-2's dims. Rows whose lists cannot vouch for
+that are routed from their whole logits.
+
 Layout (a stable counting sort, no host synchronisation) over blocks of
 BLOCK_T tokens of a head, in one of two ways (`ranks`):
 
@@ -267,6 +279,16 @@ def _key_value(key, LOW: tl.constexpr, FILL: tl.constexpr):
 
 
 @triton.jit
+def _keys(v, col, LOW: tl.constexpr):
+    """The packed keys of `_top_k_keyed`: v [rows, n] fp32 (no NaN) of columns col [n]
+    (< LOW + 1, LOW + 1 a power of two) -> uint32 keys, v's order, ties to lower col."""
+    bits = v.to(tl.int32, bitcast=True)
+    # Negative: all bits flipped; otherwise the sign bit set (INT_MIN as an int32 mask).
+    ordered = bits ^ ((bits >> 31) | (-2147483647 - 1))
+    return ((ordered | LOW) ^ col[None, :]).to(tl.uint32, bitcast=True)
+
+
+@triton.jit
 def _top_k_keyed(v, col_ok, E: tl.constexpr, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
                  BLOCK_K: tl.constexpr, ERROR: tl.constexpr):
     """Top-k of every row of v ([rows, BLOCK_E] fp32, no NaN) on packed keys.
@@ -306,11 +328,7 @@ def _top_k_keyed(v, col_ok, E: tl.constexpr, TOP_K: tl.constexpr, BLOCK_E: tl.co
     LOW: tl.constexpr = BLOCK_E - 1
     col = tl.arange(0, BLOCK_E)
     kcol = tl.arange(0, BLOCK_K)[None, :]
-    bits = v.to(tl.int32, bitcast=True)
-    # Negative: all bits flipped; otherwise the sign bit set (INT_MIN as an int32 mask).
-    ordered = bits ^ ((bits >> 31) | (-2147483647 - 1))
-    key = ((ordered | LOW) ^ col[None, :]).to(tl.uint32, bitcast=True)
-    key = tl.where(col_ok[None, :], key, 0)
+    key = tl.where(col_ok[None, :], _keys(v, col, LOW), 0)
     prev = tl.max(key, 1)
     # this_keys[:, k] = a_{k+1}, next_keys[:, k] = a_{k+2}: the pairs to check.
     this_keys = tl.where(kcol == 0, prev[:, None], 0)
@@ -329,6 +347,55 @@ def _top_k_keyed(v, col_ok, E: tl.constexpr, TOP_K: tl.constexpr, BLOCK_E: tl.co
     # NaN gaps (inf, -inf, NaN buckets) fail the comparison: unsure.
     bad = (kcol < TOP_K + PEEK - 1) & ~(lo - hi > margin)
     return i_tile, tl.max(bad.to(tl.int32), 1) > 0
+
+
+@triton.jit
+def _shortlist(acc, coln, bias, E: tl.constexpr, TOP_K: tl.constexpr, SHORT: tl.constexpr,
+               BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, ERROR: tl.constexpr,
+               INTERPRET: tl.constexpr):
+    """A shortlist of SHORT experts per row that holds the row's exact top TOP_K.
+
+    acc: [rows, BLOCK_N] fp32 logits of experts coln (BLOCK_N of the E, a power of two;
+    sigmoid scores, bias for selection, no groups). Returns (ids [rows, SHORT] int32, the
+    experts of the SHORT best keys, best first; unsure [rows] bool).
+
+    The keys are `_top_k_keyed`'s, from the approximate sigmoid, with the global expert
+    id in their low bits; SHORT + 1 rounds find a_1 > ... > a_{SHORT+1}. Where
+    L(a_K) - U(a_{SHORT+1}) exceeds `_top_k_keyed`'s margin, every expert outside the
+    shortlist has K experts of this tile with a strictly greater exact selection score
+    (the argument of `_top_k_keyed`, applied to a_K and a_{SHORT+1}): it is in no exact
+    top K of the whole row, whatever the other tiles of the row hold. The shortlists of
+    a row's tiles then contain its exact top K, which `_shortlist_route_kernel` picks
+    from them exactly (their order is not needed here). Elsewhere the row is unsure
+    (near-ties, ties, non-finite scores at a_K or a_{SHORT+1}). SHORT >= BLOCK_N: every
+    expert is listed and no row is unsure.
+    """
+    LOW: tl.constexpr = E - 1
+    v = _sigmoid_approx(acc, coln, INTERPRET)
+    if HAS_BIAS:
+        v = v + bias[None, :]
+    key = _keys(_nan_as_neg_inf(v, INTERPRET), coln, LOW)
+    scol = tl.arange(0, SHORT)[None, :]
+    prev = tl.max(key, 1)
+    keys = tl.where(scol == 0, prev[:, None], 0)
+    kth = prev
+    PEEK: tl.constexpr = 1 if SHORT < BLOCK_N else 0
+    for k in tl.static_range(1, SHORT + PEEK):
+        t = prev - 1
+        prev = t - tl.min(t[:, None] - key, 1)
+        if k < SHORT:
+            keys = tl.where(scol == k, prev[:, None], keys)
+        if k == TOP_K - 1:
+            kth = prev
+    ids = (LOW - (keys & LOW)).to(tl.int32)
+    if PEEK:
+        lo = _key_value(kth, LOW, False)
+        hi = _key_value(prev, LOW, True)
+        margin = 2.0 * (ERROR + 2.0 ** -22 * tl.maximum(tl.abs(lo), tl.abs(hi)))
+        unsure = ~(lo - hi > margin)
+    else:
+        unsure = tl.zeros([acc.shape[0]], tl.int1)
+    return ids, unsure
 
 
 @triton.jit
@@ -447,9 +514,26 @@ def _route_rows(
 
     # The probabilities come from the unbiased scores: recompute them from the
     # picked logits, gathered once for all K (L1/L2-cached loads) unless FROM_TILE.
-    out_ok = row_ok[:, None] & (kcol < TOP_K)[None, :]
     if not FROM_TILE:
+        out_ok = row_ok[:, None] & (kcol < TOP_K)[None, :]
         x_sel = tl.load(row_base[:, None] + i_tile * stride_le, mask=out_ok, other=0.0)
+    _route_output(x_sel, i_tile, rows, h, row_max, row_den, probs_ptr, indices_ptr, counts_ptr,
+                  S, NB, norm_eps, route_scale, E, TOP_K, SOFTMAX, ROUTE_NORM, BLOCK_ROWS,
+                  BLOCK_K, COUNT_T, INTERPRET)
+
+
+@triton.jit
+def _route_output(x_sel, i_tile, rows, h, row_max, row_den, probs_ptr, indices_ptr,
+                  counts_ptr, S, NB, norm_eps, route_scale, E: tl.constexpr,
+                  TOP_K: tl.constexpr, SOFTMAX: tl.constexpr, ROUTE_NORM: tl.constexpr,
+                  BLOCK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, COUNT_T: tl.constexpr,
+                  INTERPRET: tl.constexpr):
+    """Probabilities of the picks (logits x_sel, experts i_tile: [BLOCK_ROWS, BLOCK_K],
+    selection order), normalised and scaled, stored with the indices; with COUNT_T > 0
+    each pick is also added to counts[h, s // COUNT_T, e] (see `_route_rows`)."""
+    kcol = tl.arange(0, BLOCK_K)
+    row_ok = rows < S
+    out_ok = row_ok[:, None] & (kcol < TOP_K)[None, :]
     p_tile = _score(x_sel, row_max[:, None], row_den[:, None], SOFTMAX, INTERPRET)
     # Left to right in selection order, as the reference sums (column k alone: exact).
     total = tl.zeros([BLOCK_ROWS], tl.float32)
@@ -530,6 +614,96 @@ def _route_kernel(
 
 
 @triton.jit
+def _shortlist_route_kernel(
+    short_ptr,  # [H, S, C] int16: the logits kernel's shortlists (-1 throughout: unsure)
+    logits_ptr,  # [H, S, E] fp32 contiguous
+    bias_ptr,  # [H, E] fp32 contiguous (unused unless HAS_BIAS)
+    probs_ptr, indices_ptr,  # outputs [H, S, K] fp32, int64, contiguous
+    counts_ptr,  # [H, NB, E] int32, zeroed, added into (unused unless COUNT_T > 0)
+    S, NB, norm_eps, route_scale,
+    E: tl.constexpr, TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr, ROUTE_NORM: tl.constexpr,
+    C: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    FALLBACK_ROWS: tl.constexpr, INTERPRET: tl.constexpr, COUNT_T: tl.constexpr = 0,
+):
+    """Sigmoid routing (no groups) of BLOCK_ROWS tokens of one head from their shortlists.
+
+    Launch grid: (cdiv(S, BLOCK_ROWS), H). Each row's C candidates (the shortlists of
+    its column blocks, see `_shortlist`) hold its exact top K: the program gathers
+    their logits (from the logits, by id), computes their exact selection scores (bitwise
+    torch's) and runs the exact rounds among them, ties to the lowest expert id: the
+    picks, order and probabilities of `_route_rows` on the whole row, bitwise, from C
+    logits a row instead of E (`_route_listed`). A program with an unsure row walks its
+    rows FALLBACK_ROWS at a time, and routes those with an unsure row among them from
+    their whole logits with the exact rounds (`_route_rows`).
+    """
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    rows = b * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_ok = rows < S
+    ccol = tl.arange(0, C)
+    hs = h.to(tl.int64) * S + rows.to(tl.int64)
+    ids = tl.load(short_ptr + hs[:, None] * C + ccol[None, :], mask=row_ok[:, None],
+                  other=0).to(tl.int32)
+    if tl.max(tl.max((ids < 0).to(tl.int32), 1), 0) > 0:
+        # FALLBACK_ROWS rows at a time: the whole logits only for those with an unsure row.
+        col = tl.arange(0, BLOCK_E)
+        col_ok = col < E
+        for r0 in range(0, BLOCK_ROWS, FALLBACK_ROWS):
+            fr = b * BLOCK_ROWS + r0 + tl.arange(0, FALLBACK_ROWS)
+            fhs = h.to(tl.int64) * S + fr.to(tl.int64)
+            fids = tl.load(short_ptr + fhs[:, None] * C + ccol[None, :],
+                           mask=(fr < S)[:, None], other=0).to(tl.int32)
+            if tl.max(tl.max((fids < 0).to(tl.int32), 1), 0) > 0:
+                fbase = logits_ptr + fhs * E
+                x = _logits_tile(fbase, fr < S, col, col_ok, 1)
+                _route_rows(x, fr, fbase, h, bias_ptr, probs_ptr, indices_ptr, counts_ptr,
+                            S, NB, E, norm_eps, route_scale, 1,
+                            E, TOP_K, False, HAS_BIAS, ROUTE_NORM, 1, 1,
+                            FALLBACK_ROWS, BLOCK_E, BLOCK_K, 1, COUNT_T, False, INTERPRET, False)
+            else:
+                _route_listed(fids, fr, h, logits_ptr, bias_ptr, probs_ptr, indices_ptr,
+                              counts_ptr, S, NB, norm_eps, route_scale, E, TOP_K, HAS_BIAS,
+                              ROUTE_NORM, C, FALLBACK_ROWS, BLOCK_K, COUNT_T, INTERPRET)
+    else:
+        _route_listed(ids, rows, h, logits_ptr, bias_ptr, probs_ptr, indices_ptr,
+                      counts_ptr, S, NB, norm_eps, route_scale, E, TOP_K, HAS_BIAS, ROUTE_NORM,
+                      C, BLOCK_ROWS, BLOCK_K, COUNT_T, INTERPRET)
+
+
+@triton.jit
+def _route_listed(ids, rows, h, logits_ptr, bias_ptr, probs_ptr, indices_ptr, counts_ptr,
+                  S, NB, norm_eps, route_scale, E: tl.constexpr, TOP_K: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, ROUTE_NORM: tl.constexpr, C: tl.constexpr,
+                  BLOCK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, COUNT_T: tl.constexpr,
+                  INTERPRET: tl.constexpr):
+    """Sigmoid routing of rows from their C listed experts ids [rows, C] (none unsure):
+    exact selection scores, then the exact rounds of `_take_best` among them, ties to
+    the lowest expert id (ids are distinct within a row); NaN marks a taken one."""
+    row_ok = rows < S
+    kcol = tl.arange(0, BLOCK_K)
+    hs = h.to(tl.int64) * S + rows.to(tl.int64)
+    xc = tl.load(logits_ptr + hs[:, None] * E + ids, mask=row_ok[:, None], other=0.0)
+    sel = _score(xc, 0.0, 0.0, False, INTERPRET)
+    if HAS_BIAS:
+        sel = sel + tl.load(bias_ptr + h * E + ids)
+    ms = _nan_as_neg_inf(sel, INTERPRET)
+    x_sel = tl.zeros([BLOCK_ROWS, BLOCK_K], tl.float32)
+    i_tile = tl.zeros([BLOCK_ROWS, BLOCK_K], tl.int32)
+    for k in tl.static_range(TOP_K):
+        m = tl.max(_nan_to_neg_inf(ms, INTERPRET), 1)
+        idx = tl.minimum(tl.min(tl.where(ms == m[:, None], ids, E), 1), E - 1)
+        picked = ids == idx[:, None]
+        ms = tl.where(picked, float("nan"), ms)
+        x_sel = tl.where(kcol[None, :] == k, tl.sum(tl.where(picked, xc, 0.0), 1)[:, None],
+                         x_sel)
+        i_tile = tl.where(kcol[None, :] == k, idx[:, None], i_tile)
+    zero = tl.zeros([BLOCK_ROWS], tl.float32)
+    _route_output(x_sel, i_tile, rows, h, zero, zero, probs_ptr, indices_ptr, counts_ptr,
+                  S, NB, norm_eps, route_scale, E, TOP_K, False, ROUTE_NORM, BLOCK_ROWS,
+                  BLOCK_K, COUNT_T, INTERPRET)
+
+
+@triton.jit
 def _truncate_to_bf16(v):
     """v with the low 16 bits of its fp32 encoding cleared: the top 8 significant
     bits, exactly representable in bfloat16 (rounded toward zero)."""
@@ -580,6 +754,30 @@ def _dot_exact(x, w, acc, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def _write_shortlist(acc, s0, h, n, bias_ptr, short_ptr, S, E: tl.constexpr,
+                     TOP_K: tl.constexpr, SHORT: tl.constexpr, BLOCK_S: tl.constexpr,
+                     BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, ERROR: tl.constexpr,
+                     INTERPRET: tl.constexpr):
+    """short[h, s, n * SHORT + j]: the ids of the shortlist (`_shortlist`) of row s of
+    the logits tile acc (tokens [s0, s0 + BLOCK_S) of head h, column block n), or -1
+    throughout where the row is unsure."""
+    coln = n * BLOCK_N + tl.arange(0, BLOCK_N)
+    bias_n = tl.zeros([BLOCK_N], tl.float32)
+    if HAS_BIAS:
+        bias_n = tl.load(bias_ptr + h * E + coln)
+    ids, unsure = _shortlist(acc, coln, bias_n, E, TOP_K, SHORT, BLOCK_N, HAS_BIAS, ERROR,
+                             INTERPRET)
+    # Rows from a fresh arange: in the layout of the ids, not of acc's rows (sm_90: the
+    # latter took ~50 registers more in a version that also read logits back here).
+    rows = s0 + tl.arange(0, BLOCK_S)
+    NSPLIT: tl.constexpr = E // BLOCK_N
+    so = ((h.to(tl.int64) * S + rows) * NSPLIT + n)[:, None] * SHORT + \
+        tl.arange(0, SHORT)[None, :]
+    tl.store(short_ptr + so, tl.where(unsure[:, None], -1, ids).to(tl.int16),
+             mask=(rows < S)[:, None])
+
+
+@triton.jit
 def _logits_route_kernel(
     x_desc,  # x_heads as [S, H * D] bf16: a tensor descriptor, blocks [BLOCK_S, BLOCK_D]
     w_desc,  # router weight parts [3 * H * E, D] bf16 (w1, w2, w3): blocks [BLOCK_N, BLOCK_D]
@@ -594,7 +792,7 @@ def _logits_route_kernel(
     BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr, WRITE_LOGITS: tl.constexpr,
     FROM_TILE: tl.constexpr, INTERPRET: tl.constexpr, ROUTE: tl.constexpr = True,
     COUNT_T: tl.constexpr = 0, HALF_STORES: tl.constexpr = False, BLOCK_N: tl.constexpr = 0,
-    l_desc=None,
+    l_desc=None, short_ptr=None, SHORT: tl.constexpr = 0,
 ):
     """Router logits and top-k routing of BLOCK_S tokens of one head, in one pass.
 
@@ -697,6 +895,10 @@ def _logits_route_kernel(
             row = (h * NB + first // COUNT_T).to(tl.int64)
             tl.store(counts_ptr + row[:, None] * E + n0 + tl.arange(0, BLOCK_N)[None, :],
                      tl.zeros([NJ, BLOCK_N], tl.int32), mask=clear[:, None])
+        if SHORT > 0:
+            _write_shortlist(acc, s0, h, tl.program_id(1) % NSPLIT, bias_ptr, short_ptr, S, E,
+                             TOP_K, SHORT, BLOCK_S, BLOCK_N, HAS_BIAS, SIGMOID_APPROX_ERROR,
+                             INTERPRET)
     else:
         tl.static_assert(BLOCK_N == E, "routing needs whole rows")
         if WRITE_LOGITS:
@@ -1052,6 +1254,34 @@ def _launch_route(logits, top_k, score_func, expert_bias, route_norm, norm_eps, 
     )
 
 
+def _launch_shortlist_route(short, logits, top_k, expert_bias, route_norm, norm_eps,
+                            route_scale, probs, indices, counts, count_t,
+                            block_rows=None, num_warps=None) -> None:
+    """`_shortlist_route_kernel` on the shortlists short [H, S, C] of fp32 logits [H, S, E]
+    (sigmoid, no groups) into probs and indices (and counts, as `_launch_route`)."""
+    H, S, E = logits.shape
+    C = short.shape[2]
+    if block_rows is None:
+        block_rows = 128 if _interpreting() else 32
+    block_rows = min(block_rows, triton.next_power_of_2(max(S, 1)))
+    if num_warps is None:
+        num_warps = 2
+    bias = logits  # a placeholder pointer when there is no bias
+    if expert_bias is not None:
+        bias = expert_bias.reshape(H, E).to(device=logits.device,
+                                            dtype=torch.float32).contiguous()
+    _shortlist_route_kernel[(triton.cdiv(S, block_rows), H)](
+        short, logits, bias, probs, indices,
+        probs if counts is None else counts,  # a placeholder pointer when not counting
+        S, 0 if counts is None else counts.shape[1], float(norm_eps), float(route_scale),
+        E=E, TOP_K=top_k, HAS_BIAS=expert_bias is not None, ROUTE_NORM=bool(route_norm),
+        C=C, BLOCK_ROWS=block_rows, BLOCK_E=triton.next_power_of_2(E),
+        BLOCK_K=triton.next_power_of_2(top_k), FALLBACK_ROWS=min(2, block_rows),
+        INTERPRET=_interpreting(), COUNT_T=count_t if counts is not None else 0,
+        num_warps=num_warps,
+    )
+
+
 def _new_block_counts(op: str, H: int, S: int, E: int, block_t: int, device,
                       zeroed: bool) -> torch.Tensor:
     """The [H, cdiv(S, block_t), E] int32 per-block expert counts a route launch fills
@@ -1200,6 +1430,11 @@ def triton_logits_route(
     block_n = min(cfg.block_e or E, E) if cfg.split else E
     w_desc = TensorDescriptor.from_tensor(parts.view(3 * H * E, D), [block_n, block_d])
     count_t = count_block_t if counts is not None else 0
+    short, short_n = None, 0
+    if cfg.split and cfg.shortlist and score_func == "sigmoid" and num_groups == 1 and \
+            top_k <= 16:
+        short_n = min(triton.next_power_of_2(top_k), block_n)
+        short = torch.empty(H, S, (E // block_n) * short_n, device=device, dtype=torch.int16)
     l_desc = None
     if cfg.split and cfg.tma_store:
         half = cfg.half_stores and block_n >= 32
@@ -1216,10 +1451,13 @@ def triton_logits_route(
         BLOCK_K=triton.next_power_of_2(top_k), BLOCK_G=triton.next_power_of_2(num_groups),
         WRITE_LOGITS=write_logits, FROM_TILE=cfg.from_tile, INTERPRET=_interpreting(),
         ROUTE=not cfg.split, COUNT_T=count_t, HALF_STORES=cfg.half_stores, BLOCK_N=block_n,
-        l_desc=l_desc,
+        l_desc=l_desc, short_ptr=short, SHORT=short_n,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if cfg.split:
+    if short is not None:
+        _launch_shortlist_route(short, logits, top_k, expert_bias, route_norm, norm_eps,
+                                route_scale, probs, indices, counts, count_t)
+    elif cfg.split:
         _launch_route(logits, top_k, score_func, expert_bias, route_norm, norm_eps, route_scale,
                       num_groups, topk_groups, probs, indices, counts, count_t)
     return out

@@ -215,19 +215,23 @@ def _cases():
     bn = min(c.block_e or E, E) if c.split else E
     tma_store = c.split and c.tma_store  # then the logits leave through a descriptor too
     store_n = bn // 2 if c.half_stores and bn >= 32 else bn
-    yield (f"logits {c.block_s}/{c.block_d}/{c.num_warps}/{c.num_stages} e{bn}",
+    short = min(triton.next_power_of_2(K), bn) if c.split and c.shortlist else 0
+    yield (f"logits {c.block_s}/{c.block_d}/{c.num_warps}/{c.num_stages} e{bn}"
+           f"{' shortlists' if short else ''}",
            routing._logits_route_kernel,
            {"x_desc": f"tensordesc<bf16[{c.block_s}, {c.block_d}]>",
             "w_desc": f"tensordesc<bf16[{bn}, {c.block_d}]>", "logits_ptr": "*fp32",
             "bias_ptr": "*fp32", "probs_ptr": "*fp32", "indices_ptr": "*i64",
             "counts_ptr": "*i32", "S": "i32", "H": "i32", "NB": "i32", "group_size": "i32",
             "norm_eps": "fp32", "route_scale": "fp32",
-            **({"l_desc": f"tensordesc<fp32[1, {c.block_s}, {store_n}]>"} if tma_store else {})},
+            **({"l_desc": f"tensordesc<fp32[1, {c.block_s}, {store_n}]>"} if tma_store else {}),
+            **({"short_ptr": "*i16"} if short else {})},
            dict(E=E, D=D, TOP_K=K, SOFTMAX=False, HAS_BIAS=True, ROUTE_NORM=True, NUM_GROUPS=1,
                 TOPK_GROUPS=1, BLOCK_S=c.block_s, BLOCK_D=c.block_d,
                 BLOCK_K=triton.next_power_of_2(K), BLOCK_G=1, WRITE_LOGITS=True,
                 FROM_TILE=c.from_tile, INTERPRET=False, ROUTE=not c.split,
-                COUNT_T=routing.layout_block_t(K), HALF_STORES=c.half_stores, BLOCK_N=bn),
+                COUNT_T=routing.layout_block_t(K), HALF_STORES=c.half_stores, BLOCK_N=bn,
+                SHORT=short),
            c.num_warps, c.num_stages, ("S",))
 
     tma = expert_forward.tma_fits(D, I, 2)
