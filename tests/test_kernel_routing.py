@@ -319,7 +319,7 @@ def _shortlist_route(logits, top_k, bias, block_n, count_t, block_rows=None, err
     """Shortlists of logits [H, S, E] by the logits kernel's epilogue, then the shortlist
     route kernel: (probs, indices, counts, shortlists)."""
     H, S, E = logits.shape
-    short_n = min(triton.next_power_of_2(top_k), block_n)
+    short_n = kr.shortlist_size(top_k, block_n)
     logits = logits.to(DEVICE).contiguous()
     short = torch.empty(H, S, (E // block_n) * short_n, dtype=torch.int16, device=DEVICE)
     b = None if bias is None else bias.to(DEVICE).contiguous()

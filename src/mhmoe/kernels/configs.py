@@ -188,8 +188,8 @@ class LogitsRouteConfig:
                 bytes per token as tiles of all experts, in fewer registers.
     tma_store:  with split, the logits leave through bulk (TMA) stores (sm_90).
     shortlist:  with split, for sigmoid scores without groups and K <= 16: the logits
-                kernel also lists, per row and column block, the K experts
-                of its largest approximate keys, which hold the row's exact top K
+                kernel also lists, per row and column block, the next_pow2(K)
+                experts of its largest approximate keys, which hold the row's exact top K
                 (`routing._shortlist`), and `_shortlist_route_kernel` routes each row
                 from those few logits instead of all E (the same results, bitwise).
     """

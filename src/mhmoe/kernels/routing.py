@@ -289,6 +289,26 @@ def _keys(v, col, LOW: tl.constexpr):
 
 
 @triton.jit
+def _next_key(prev, key):
+    """The largest of each row's keys [rows, n] (uint32) below prev [rows]: with
+    t = prev - 1, the least t - key in wrapping arithmetic (keys >= prev wrap past
+    every key below it)."""
+    t = prev - 1
+    return t - tl.min(t[:, None] - key, 1)
+
+
+@triton.jit
+def _keys_apart(upper, lower, LOW: tl.constexpr, ERROR: tl.constexpr):
+    """Whether the least value of upper's bucket exceeds the greatest of lower's by
+    more than `_top_k_keyed`'s margin (twice the most an exact selection score can
+    differ from its approximation). NaN gaps (inf, -inf, NaN buckets): False."""
+    lo = _key_value(upper, LOW, False)
+    hi = _key_value(lower, LOW, True)
+    margin = 2.0 * (ERROR + 2.0 ** -22 * tl.maximum(tl.abs(lo), tl.abs(hi)))
+    return lo - hi > margin
+
+
+@triton.jit
 def _top_k_keyed(v, col_ok, E: tl.constexpr, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
                  BLOCK_K: tl.constexpr, ERROR: tl.constexpr):
     """Top-k of every row of v ([rows, BLOCK_E] fp32, no NaN) on packed keys.
@@ -335,17 +355,12 @@ def _top_k_keyed(v, col_ok, E: tl.constexpr, TOP_K: tl.constexpr, BLOCK_E: tl.co
     next_keys = this_keys
     PEEK: tl.constexpr = 1 if TOP_K < E else 0
     for k in tl.static_range(1, TOP_K + PEEK):
-        t = prev - 1
-        prev = t - tl.min(t[:, None] - key, 1)
+        prev = _next_key(prev, key)
         if k < TOP_K:
             this_keys = tl.where(kcol == k, prev[:, None], this_keys)
         next_keys = tl.where(kcol == k - 1, prev[:, None], next_keys)
     i_tile = (LOW - (this_keys & LOW)).to(tl.int32)
-    lo = _key_value(this_keys, LOW, False)
-    hi = _key_value(next_keys, LOW, True)
-    margin = 2.0 * (ERROR + 2.0 ** -22 * tl.maximum(tl.abs(lo), tl.abs(hi)))
-    # NaN gaps (inf, -inf, NaN buckets) fail the comparison: unsure.
-    bad = (kcol < TOP_K + PEEK - 1) & ~(lo - hi > margin)
+    bad = (kcol < TOP_K + PEEK - 1) & ~_keys_apart(this_keys, next_keys, LOW, ERROR)
     return i_tile, tl.max(bad.to(tl.int32), 1) > 0
 
 
@@ -381,18 +396,14 @@ def _shortlist(acc, coln, bias, E: tl.constexpr, TOP_K: tl.constexpr, SHORT: tl.
     kth = prev
     PEEK: tl.constexpr = 1 if SHORT < BLOCK_N else 0
     for k in tl.static_range(1, SHORT + PEEK):
-        t = prev - 1
-        prev = t - tl.min(t[:, None] - key, 1)
+        prev = _next_key(prev, key)
         if k < SHORT:
             keys = tl.where(scol == k, prev[:, None], keys)
         if k == TOP_K - 1:
             kth = prev
     ids = (LOW - (keys & LOW)).to(tl.int32)
     if PEEK:
-        lo = _key_value(kth, LOW, False)
-        hi = _key_value(prev, LOW, True)
-        margin = 2.0 * (ERROR + 2.0 ** -22 * tl.maximum(tl.abs(lo), tl.abs(hi)))
-        unsure = ~(lo - hi > margin)
+        unsure = ~_keys_apart(kth, prev, LOW, ERROR)
     else:
         unsure = tl.zeros([acc.shape[0]], tl.int1)
     return ids, unsure
@@ -1237,10 +1248,7 @@ def _launch_route(logits, top_k, score_func, expert_bias, route_norm, norm_eps, 
     adding into counts [H, cdiv(S, count_t), E], zeroed by the caller)."""
     H, S, E = logits.shape
     BLOCK_ROWS, BLOCK_E, warps, ITERS = _route_config(S, E, block_rows, num_warps, iters)
-    bias = logits  # a placeholder pointer when there is no bias
-    if expert_bias is not None:
-        bias = expert_bias.reshape(H, E).to(device=logits.device,
-                                            dtype=torch.float32).contiguous()
+    bias = _bias_arg(expert_bias, H, E, logits)
     _route_kernel[(triton.cdiv(S, BLOCK_ROWS * ITERS), H)](
         logits, *logits.stride(), bias, probs, indices,
         probs if counts is None else counts,  # a placeholder pointer when not counting
@@ -1252,6 +1260,21 @@ def _launch_route(logits, top_k, score_func, expert_bias, route_norm, norm_eps, 
         BLOCK_G=triton.next_power_of_2(num_groups), ITERS=ITERS, INTERPRET=_interpreting(),
         COUNT_T=count_t if counts is not None else 0, KEYED=bool(keyed), num_warps=warps,
     )
+
+
+def _bias_arg(expert_bias, H: int, E: int, placeholder: torch.Tensor) -> torch.Tensor:
+    """expert_bias as the kernels read it ([H, E] fp32, contiguous, on placeholder's
+    device), or placeholder (a pointer the kernel never reads) when there is none."""
+    if expert_bias is None:
+        return placeholder
+    return expert_bias.reshape(H, E).to(device=placeholder.device,
+                                        dtype=torch.float32).contiguous()
+
+
+def shortlist_size(top_k: int, block_n: int) -> int:
+    """Experts listed per row and column block of block_n experts: next_pow2(top_k),
+    at most the block (then every expert is listed)."""
+    return min(triton.next_power_of_2(top_k), block_n)
 
 
 def _launch_shortlist_route(short, logits, top_k, expert_bias, route_norm, norm_eps,
@@ -1266,10 +1289,7 @@ def _launch_shortlist_route(short, logits, top_k, expert_bias, route_norm, norm_
     block_rows = min(block_rows, triton.next_power_of_2(max(S, 1)))
     if num_warps is None:
         num_warps = 2
-    bias = logits  # a placeholder pointer when there is no bias
-    if expert_bias is not None:
-        bias = expert_bias.reshape(H, E).to(device=logits.device,
-                                            dtype=torch.float32).contiguous()
+    bias = _bias_arg(expert_bias, H, E, logits)
     _shortlist_route_kernel[(triton.cdiv(S, block_rows), H)](
         short, logits, bias, probs, indices,
         probs if counts is None else counts,  # a placeholder pointer when not counting
@@ -1417,9 +1437,7 @@ def triton_logits_route(
     if H == 0 or S == 0:
         return out
     parts = split_router_weight(gate)
-    bias = probs  # a placeholder pointer when there is no bias
-    if expert_bias is not None:
-        bias = expert_bias.reshape(H, E).to(device=device, dtype=torch.float32).contiguous()
+    bias = _bias_arg(expert_bias, H, E, probs)
     block_d = min(cfg.block_d, D & -D)  # the largest power of two dividing D (>= 16)
     if x_heads.stride(2) != 1 or (H > 1 and x_heads.stride(1) != D) or \
             (x_heads.stride(0) * 2) % 16 or x_heads.data_ptr() % 16:
@@ -1433,7 +1451,7 @@ def triton_logits_route(
     short, short_n = None, 0
     if cfg.split and cfg.shortlist and score_func == "sigmoid" and num_groups == 1 and \
             top_k <= 16:
-        short_n = min(triton.next_power_of_2(top_k), block_n)
+        short_n = shortlist_size(top_k, block_n)
         short = torch.empty(H, S, (E // block_n) * short_n, device=device, dtype=torch.int16)
     l_desc = None
     if cfg.split and cfg.tma_store:

@@ -215,7 +215,7 @@ def _cases():
     bn = min(c.block_e or E, E) if c.split else E
     tma_store = c.split and c.tma_store  # then the logits leave through a descriptor too
     store_n = bn // 2 if c.half_stores and bn >= 32 else bn
-    short = min(triton.next_power_of_2(K), bn) if c.split and c.shortlist else 0
+    short = routing.shortlist_size(K, bn) if c.split and c.shortlist else 0
     yield (f"logits {c.block_s}/{c.block_d}/{c.num_warps}/{c.num_stages} e{bn}"
            f"{' shortlists' if short else ''}",
            routing._logits_route_kernel,
