@@ -35,10 +35,19 @@ def run_rank(rank: int, world: int, init_file: str, counts: list[int], seed: int
                             world_size=world)
     try:
         report = check_rank(rank, world, counts, seed)
+        leave_together()
     finally:
         dist.destroy_process_group()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
+
+
+def leave_together() -> None:
+    """A barrier before the group is torn down: a gloo rank that destroyed its group
+    while its peer was still finishing aborted the peer under load ("terminate called
+    without an active exception", seen in bench_parallel and in this test under
+    pytest -n 2)."""
+    dist.barrier()
 
 
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -108,6 +117,7 @@ def load_rank(rank: int, world: int, init_file: str, ckpt: str, out_dir: str) ->
         state = {f"{index}.{name}": t for index, m in modules.items()
                  for name, t in m.state_dict().items()}
         partition = modules[min(modules)].partition
+        leave_together()
     finally:
         dist.destroy_process_group()
     torch.save({"state": state, "bytes": nbytes, "start": partition.start,
