@@ -18,3 +18,20 @@ def router_inputs(dev: torch.device, count_block_t: int | None = 64):
     if count_block_t is not None:
         kw["count_block_t"] = count_block_t
     return x, gate, bias, kw
+
+
+def experiment_main(compile_only, gpu) -> None:
+    """The command line of the experiment scripts with a compile-only mode:
+    `--compile-only` compiles for sm_90 here (no GPU), else `OUT.json` runs on the GPU."""
+    import argparse
+
+    p = argparse.ArgumentParser()
+    p.add_argument("out", nargs="?")
+    p.add_argument("--compile-only", action="store_true")
+    a = p.parse_args()
+    if a.compile_only:
+        compile_only()
+    elif a.out is None:
+        p.error("give the output path (or --compile-only)")
+    else:
+        gpu(a.out)

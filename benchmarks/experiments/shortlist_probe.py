@@ -1,11 +1,13 @@
 """Route + layout at S = 32768, MAGI-2 dims, whole rows against shortlists (routing v10):
 times (eager, graph), per-kernel times in graph replays (torch profiler), bitwise
 equality, repeated calls, the rate of unsure rows, the shortlist route kernel's tiles,
-and (added for v11) the two configurations timed interleaved, several rounds.
+and (added for v11) the two configurations timed interleaved, several rounds. Since
+routing v12 the shortlists hold packed keys (0 marks an unsure row), and the probe also
+reports the rows whose listed keys do not order their picks ("tied_rows").
 
     PYTHONPATH=src python3 benchmarks/experiments/shortlist_probe.py $OUT/probe.json
 
-(NOTES.md routing v10, v11.)
+(NOTES.md routing v10, v11, v12.)
 """
 import dataclasses
 import json
@@ -106,10 +108,32 @@ R._launch_shortlist_route = grab
 R.triton_logits_route(x, gate, config=configs["shortlist"], **kw)
 R._launch_shortlist_route = orig
 sh, lg2 = seen["short"], seen["logits"]
-out["unsure_half_rows"] = (sh[..., ::8] == -1).float().mean().item()
-out["unsure_rows"] = (sh == -1).any(-1).float().mean().item()
+out["unsure_half_rows"] = (sh[..., ::8] == 0).float().mean().item()
+out["unsure_rows"] = (sh == 0).any(-1).float().mean().item()
+
+
+def tied_rows(short, top_k, error=2.0**-19):
+    """Share of the sure rows whose K + 1 largest listed keys are not all apart by the
+    margin of `routing._keys_apart` (those read all their listed logits)."""
+    low = E - 1
+    u = short.long() & 0xFFFFFFFF
+    sure = ~(short == 0).any(-1)
+    top = u.sort(-1, descending=True).values[..., :top_k + 1]
+
+    def value(key):  # `routing._key_value`
+        bits = torch.where(key >= 2**31, key ^ 0x80000000, ~key & 0xFFFFFFFF)
+        bits = torch.where(bits >= 2**31, bits - 2**32, bits)
+        return bits.to(torch.int32).view(torch.float32)
+
+    lo, hi = value(top[..., :-1] & ~low), value(top[..., 1:] | low)
+    margin = 2.0 * (error + 2.0**-22 * torch.maximum(lo.abs(), hi.abs()))
+    tied = ~(lo - hi > margin).all(-1)
+    return (tied & sure).float().sum().item() / max(sure.sum().item(), 1)
+
+
+out["tied_rows"] = tied_rows(sh, K)
 tiles = {}
-for rows, nw in ((32, 2), (64, 2), (64, 4), (128, 4), (32, 1), (64, 1)):
+for rows, nw in ((32, 2), (64, 2), (64, 4), (128, 4), (32, 1), (64, 1), (16, 1)):
     probs = torch.empty(H, S, K, device=dev)
     idx = torch.empty(H, S, K, device=dev, dtype=torch.int64)
     counts = torch.zeros(H, S // 64, E, device=dev, dtype=torch.int32)
@@ -122,7 +146,7 @@ for rows, nw in ((32, 2), (64, 2), (64, 4), (128, 4), (32, 1), (64, 1)):
     eq = torch.equal(probs, p0) and torch.equal(idx, i0) and torch.equal(counts, c0)
     tiles[f"{rows}/{nw}"] = (bench(run), eq)
 out["shortlist_route_tiles"] = tiles
-print(tiles, out["unsure_half_rows"], out["unsure_rows"], flush=True)
+print(tiles, out["unsure_half_rows"], out["unsure_rows"], out["tied_rows"], flush=True)
 
 # Interleaved: both configurations' graphs of route + layout and their eager route,
 # alternating, 4 rounds (the first runs above timed one configuration after the other).

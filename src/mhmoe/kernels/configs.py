@@ -188,10 +188,12 @@ class LogitsRouteConfig:
                 bytes per token as tiles of all experts, in fewer registers.
     tma_store:  with split, the logits leave through bulk (TMA) stores (sm_90).
     shortlist:  with split, for sigmoid scores without groups and K <= 16: the logits
-                kernel also lists, per row and column block, the next_pow2(K)
-                experts of its largest approximate keys, which hold the row's exact top K
-                (`routing._shortlist`), and `_shortlist_route_kernel` routes each row
-                from those few logits instead of all E (the same results, bitwise).
+                kernel also lists, per row and column block, its next_pow2(K) largest
+                approximate keys (expert ids in their low bits), whose experts hold the
+                row's exact top K (`routing._shortlist`), and `_shortlist_route_kernel`
+                routes each row from those lists: the K picked logits read where the
+                keys order the picks, the listed ones where they do not, instead of all
+                E (the same results, bitwise).
     """
 
     block_s: int

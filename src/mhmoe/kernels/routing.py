@@ -44,15 +44,16 @@ logits reach memory only when wanted (the backward, or the gather).
 
 Shortlists (the sm_90 default for sigmoid scores without groups, K <= 16). The
 split logits kernel computes [BLOCK_S, BLOCK_N] tiles (a block of the experts),
-stores them, and lists for each row the next_pow2(K) experts of its largest
-packed keys (`_shortlist`, the route kernel's keys). Where the keys' K-th and
-(next_pow2(K) + 1)-th values are apart by more than the margin, every expert
-left out has K experts of its block with a strictly greater exact selection
-score, so the row's exact top K lies in its blocks' lists, and
-`_shortlist_route_kernel` picks it from them (their logits read by id) with
-exact scores and the exact rounds: bitwise the whole-row results, from 2 x 8
-logits a row instead of 256 at MAGI-2's dims. Rows whose lists cannot vouch for
-that are routed from their whole logits.
+stores them, and lists for each row the next_pow2(K) largest packed keys
+(`_shortlist`, the route kernel's keys, expert ids in their low bits). Where the
+keys' K-th and (next_pow2(K) + 1)-th values are apart by more than the margin,
+every expert left out has K experts of its block with a strictly greater exact
+selection score, so the row's exact top K lies in its blocks' lists, and
+`_shortlist_route_kernel` picks it from them: by the listed keys where they order
+the picks beyond doubt (then only the K picked logits are read), else with exact
+scores and the exact rounds on the listed logits (2 x 8 at MAGI-2's dims): bitwise
+the whole-row results either way. Rows whose lists cannot vouch for their top K
+are routed from their whole logits.
 
 Layout (a stable counting sort, no host synchronisation) over blocks of
 BLOCK_T tokens of a head, in one of two ways (`ranks`):
@@ -347,13 +348,23 @@ def _top_k_keyed(v, col_ok, E: tl.constexpr, TOP_K: tl.constexpr, BLOCK_E: tl.co
     """
     LOW: tl.constexpr = BLOCK_E - 1
     col = tl.arange(0, BLOCK_E)
-    kcol = tl.arange(0, BLOCK_K)[None, :]
     key = tl.where(col_ok[None, :], _keys(v, col, LOW), 0)
+    return _top_k_of_keys(key, E, TOP_K, BLOCK_K, LOW, ERROR)
+
+
+@triton.jit
+def _top_k_of_keys(key, N: tl.constexpr, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr,
+                   LOW: tl.constexpr, ERROR: tl.constexpr):
+    """The rounds of `_top_k_keyed` on packed keys [rows, n] (uint32, distinct within a
+    row, N of them real, the rest 0): (ids [rows, BLOCK_K] int32 of the TOP_K largest
+    keys, largest first; unsure [rows] bool, the margin not met between two of the
+    TOP_K + 1 largest, the (TOP_K + 1)-th only when TOP_K < N)."""
+    kcol = tl.arange(0, BLOCK_K)[None, :]
     prev = tl.max(key, 1)
     # this_keys[:, k] = a_{k+1}, next_keys[:, k] = a_{k+2}: the pairs to check.
     this_keys = tl.where(kcol == 0, prev[:, None], 0)
     next_keys = this_keys
-    PEEK: tl.constexpr = 1 if TOP_K < E else 0
+    PEEK: tl.constexpr = 1 if TOP_K < N else 0
     for k in tl.static_range(1, TOP_K + PEEK):
         prev = _next_key(prev, key)
         if k < TOP_K:
@@ -371,8 +382,9 @@ def _shortlist(acc, coln, bias, E: tl.constexpr, TOP_K: tl.constexpr, SHORT: tl.
     """A shortlist of SHORT experts per row that holds the row's exact top TOP_K.
 
     acc: [rows, BLOCK_N] fp32 logits of experts coln (BLOCK_N of the E, a power of two;
-    sigmoid scores, bias for selection, no groups). Returns (ids [rows, SHORT] int32, the
-    experts of the SHORT best keys, best first; unsure [rows] bool).
+    sigmoid scores, bias for selection, no groups). Returns (keys [rows, SHORT] uint32,
+    the SHORT best keys, best first, each with its expert's id in its low bits as
+    `_top_k_keyed` packs them; unsure [rows] bool).
 
     The keys are `_top_k_keyed`'s, from the approximate sigmoid, with the global expert
     id in their low bits; SHORT + 1 rounds find a_1 > ... > a_{SHORT+1}. Where
@@ -381,9 +393,9 @@ def _shortlist(acc, coln, bias, E: tl.constexpr, TOP_K: tl.constexpr, SHORT: tl.
     (the argument of `_top_k_keyed`, applied to a_K and a_{SHORT+1}): it is in no exact
     top K of the whole row, whatever the other tiles of the row hold. The shortlists of
     a row's tiles then contain its exact top K, which `_shortlist_route_kernel` picks
-    from them exactly (their order is not needed here). Elsewhere the row is unsure
-    (near-ties, ties, non-finite scores at a_K or a_{SHORT+1}). SHORT >= BLOCK_N: every
-    expert is listed and no row is unsure.
+    from them exactly. Elsewhere the row is unsure (near-ties, ties, non-finite scores
+    at a_K or a_{SHORT+1}). SHORT >= BLOCK_N: every expert is listed and no row is
+    unsure.
     """
     LOW: tl.constexpr = E - 1
     v = _sigmoid_approx(acc, coln, INTERPRET)
@@ -401,12 +413,11 @@ def _shortlist(acc, coln, bias, E: tl.constexpr, TOP_K: tl.constexpr, SHORT: tl.
             keys = tl.where(scol == k, prev[:, None], keys)
         if k == TOP_K - 1:
             kth = prev
-    ids = (LOW - (keys & LOW)).to(tl.int32)
     if PEEK:
         unsure = ~_keys_apart(kth, prev, LOW, ERROR)
     else:
         unsure = tl.zeros([acc.shape[0]], tl.int1)
-    return ids, unsure
+    return keys, unsure
 
 
 @triton.jit
@@ -626,7 +637,7 @@ def _route_kernel(
 
 @triton.jit
 def _shortlist_route_kernel(
-    short_ptr,  # [H, S, C] int16: the logits kernel's shortlists (-1 throughout: unsure)
+    short_ptr,  # [H, S, C] int32: the logits kernel's shortlists, packed keys (0: unsure)
     logits_ptr,  # [H, S, E] fp32 contiguous
     bias_ptr,  # [H, E] fp32 contiguous (unused unless HAS_BIAS)
     probs_ptr, indices_ptr,  # outputs [H, S, K] fp32, int64, contiguous
@@ -639,32 +650,32 @@ def _shortlist_route_kernel(
     """Sigmoid routing (no groups) of BLOCK_ROWS tokens of one head from their shortlists.
 
     Launch grid: (cdiv(S, BLOCK_ROWS), H). Each row's C candidates (the shortlists of
-    its column blocks, see `_shortlist`) hold its exact top K: the program gathers
-    their logits (from the logits, by id), computes their exact selection scores (bitwise
-    torch's) and runs the exact rounds among them, ties to the lowest expert id: the
-    picks, order and probabilities of `_route_rows` on the whole row, bitwise, from C
-    logits a row instead of E (`_route_listed`). A program with an unsure row walks its
-    rows FALLBACK_ROWS at a time, and routes those with an unsure row among them from
-    their whole logits with the exact rounds (`_route_rows`).
+    its column blocks, see `_shortlist`) hold its exact top K, and come as the logits
+    kernel's packed keys (`_route_listed`): the picks, order and probabilities of
+    `_route_rows` on the whole row, bitwise, reading K logits a row where the keys
+    order the picks, C where they do not, instead of E. A program with an unsure row
+    (a column block's keys 0) walks its rows FALLBACK_ROWS at a time, and routes those
+    with an unsure row among them from their whole logits with the exact rounds
+    (`_route_rows`).
     """
     b = tl.program_id(0)
     h = tl.program_id(1)
     rows = b * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    row_ok = rows < S
     ccol = tl.arange(0, C)
     hs = h.to(tl.int64) * S + rows.to(tl.int64)
-    ids = tl.load(short_ptr + hs[:, None] * C + ccol[None, :], mask=row_ok[:, None],
-                  other=0).to(tl.int32)
-    if tl.max(tl.max((ids < 0).to(tl.int32), 1), 0) > 0:
+    # Rows past S read keys of 1 (not 0, the unsure mark): their outputs are masked.
+    keys = tl.load(short_ptr + hs[:, None] * C + ccol[None, :], mask=(rows < S)[:, None],
+                   other=1).to(tl.uint32, bitcast=True)
+    if tl.max(tl.max((keys == 0).to(tl.int32), 1), 0) > 0:
         # FALLBACK_ROWS rows at a time: the whole logits only for those with an unsure row.
         col = tl.arange(0, BLOCK_E)
         col_ok = col < E
         for r0 in range(0, BLOCK_ROWS, FALLBACK_ROWS):
             fr = b * BLOCK_ROWS + r0 + tl.arange(0, FALLBACK_ROWS)
             fhs = h.to(tl.int64) * S + fr.to(tl.int64)
-            fids = tl.load(short_ptr + fhs[:, None] * C + ccol[None, :],
-                           mask=(fr < S)[:, None], other=0).to(tl.int32)
-            if tl.max(tl.max((fids < 0).to(tl.int32), 1), 0) > 0:
+            fkeys = tl.load(short_ptr + fhs[:, None] * C + ccol[None, :],
+                            mask=(fr < S)[:, None], other=1).to(tl.uint32, bitcast=True)
+            if tl.max(tl.max((fkeys == 0).to(tl.int32), 1), 0) > 0:
                 fbase = logits_ptr + fhs * E
                 x = _logits_tile(fbase, fr < S, col, col_ok, 1)
                 _route_rows(x, fr, fbase, h, bias_ptr, probs_ptr, indices_ptr, counts_ptr,
@@ -672,28 +683,61 @@ def _shortlist_route_kernel(
                             E, TOP_K, False, HAS_BIAS, ROUTE_NORM, 1, 1,
                             FALLBACK_ROWS, BLOCK_E, BLOCK_K, 1, COUNT_T, False, INTERPRET, False)
             else:
-                _route_listed(fids, fr, h, logits_ptr, bias_ptr, probs_ptr, indices_ptr,
+                _route_listed(fkeys, fr, h, logits_ptr, bias_ptr, probs_ptr, indices_ptr,
                               counts_ptr, S, NB, norm_eps, route_scale, E, TOP_K, HAS_BIAS,
                               ROUTE_NORM, C, FALLBACK_ROWS, BLOCK_K, COUNT_T, INTERPRET)
     else:
-        _route_listed(ids, rows, h, logits_ptr, bias_ptr, probs_ptr, indices_ptr,
+        _route_listed(keys, rows, h, logits_ptr, bias_ptr, probs_ptr, indices_ptr,
                       counts_ptr, S, NB, norm_eps, route_scale, E, TOP_K, HAS_BIAS, ROUTE_NORM,
                       C, BLOCK_ROWS, BLOCK_K, COUNT_T, INTERPRET)
 
 
 @triton.jit
-def _route_listed(ids, rows, h, logits_ptr, bias_ptr, probs_ptr, indices_ptr, counts_ptr,
+def _route_listed(keys, rows, h, logits_ptr, bias_ptr, probs_ptr, indices_ptr, counts_ptr,
                   S, NB, norm_eps, route_scale, E: tl.constexpr, TOP_K: tl.constexpr,
                   HAS_BIAS: tl.constexpr, ROUTE_NORM: tl.constexpr, C: tl.constexpr,
                   BLOCK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, COUNT_T: tl.constexpr,
                   INTERPRET: tl.constexpr):
-    """Sigmoid routing of rows from their C listed experts ids [rows, C] (none unsure):
-    exact selection scores, then the exact rounds of `_take_best` among them, ties to
-    the lowest expert id (ids are distinct within a row); NaN marks a taken one."""
+    """Sigmoid routing of rows from their C listed experts, given as packed keys [rows, C]
+    (uint32, none unsure).
+
+    The rounds of `_top_k_keyed` on the keys first: where they show the K + 1 largest
+    keys apart by the margin, the K largest are the exact picks in the exact order (the
+    lists hold the row's exact top K, `_shortlist`; `_top_k_keyed`'s argument within
+    them), and only their K logits are read. Rows where they do not (near-ties among the
+    picks) read all C listed logits and take the exact rounds among them
+    (`_listed_picks`). Either way the picks are those of the exact rounds on the whole
+    row, and the probabilities come from the picked logits.
+    """
+    LOW: tl.constexpr = E - 1
     row_ok = rows < S
-    kcol = tl.arange(0, BLOCK_K)
+    kcol = tl.arange(0, BLOCK_K)[None, :]
     hs = h.to(tl.int64) * S + rows.to(tl.int64)
-    xc = tl.load(logits_ptr + hs[:, None] * E + ids, mask=row_ok[:, None], other=0.0)
+    i_tile, tied = _top_k_of_keys(keys, C, TOP_K, BLOCK_K, LOW, SIGMOID_APPROX_ERROR)
+    x_sel = tl.load(logits_ptr + hs[:, None] * E + i_tile,
+                    mask=(row_ok & ~tied)[:, None] & (kcol < TOP_K), other=0.0)
+    if tl.max(tied.to(tl.int32), 0) > 0:
+        ids = (LOW - (keys & LOW)).to(tl.int32)
+        i_ex, x_ex = _listed_picks(ids, hs, h, logits_ptr, bias_ptr, row_ok & tied, E, TOP_K,
+                                   HAS_BIAS, BLOCK_ROWS, BLOCK_K, INTERPRET)
+        i_tile = tl.where(tied[:, None], i_ex, i_tile)
+        x_sel = tl.where(tied[:, None], x_ex, x_sel)
+    zero = tl.zeros([BLOCK_ROWS], tl.float32)
+    _route_output(x_sel, i_tile, rows, h, zero, zero, probs_ptr, indices_ptr, counts_ptr,
+                  S, NB, norm_eps, route_scale, E, TOP_K, False, ROUTE_NORM, BLOCK_ROWS,
+                  BLOCK_K, COUNT_T, INTERPRET)
+
+
+@triton.jit
+def _listed_picks(ids, hs, h, logits_ptr, bias_ptr, load, E: tl.constexpr,
+                  TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                  BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
+    """The exact rounds of `_take_best` among the listed experts ids [rows, C] (distinct
+    within a row) of rows hs (h * S + s), their logits read where load [rows]: exact
+    selection scores, ties to the lowest expert id, NaN marking a taken one. Returns
+    (picks [rows, BLOCK_K] int32, their logits), meaningful where load."""
+    kcol = tl.arange(0, BLOCK_K)
+    xc = tl.load(logits_ptr + hs[:, None] * E + ids, mask=load[:, None], other=0.0)
     sel = _score(xc, 0.0, 0.0, False, INTERPRET)
     if HAS_BIAS:
         sel = sel + tl.load(bias_ptr + h * E + ids)
@@ -708,10 +752,7 @@ def _route_listed(ids, rows, h, logits_ptr, bias_ptr, probs_ptr, indices_ptr, co
         x_sel = tl.where(kcol[None, :] == k, tl.sum(tl.where(picked, xc, 0.0), 1)[:, None],
                          x_sel)
         i_tile = tl.where(kcol[None, :] == k, idx[:, None], i_tile)
-    zero = tl.zeros([BLOCK_ROWS], tl.float32)
-    _route_output(x_sel, i_tile, rows, h, zero, zero, probs_ptr, indices_ptr, counts_ptr,
-                  S, NB, norm_eps, route_scale, E, TOP_K, False, ROUTE_NORM, BLOCK_ROWS,
-                  BLOCK_K, COUNT_T, INTERPRET)
+    return i_tile, x_sel
 
 
 @triton.jit
@@ -769,22 +810,22 @@ def _write_shortlist(acc, s0, h, n, bias_ptr, short_ptr, S, E: tl.constexpr,
                      TOP_K: tl.constexpr, SHORT: tl.constexpr, BLOCK_S: tl.constexpr,
                      BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, ERROR: tl.constexpr,
                      INTERPRET: tl.constexpr):
-    """short[h, s, n * SHORT + j]: the ids of the shortlist (`_shortlist`) of row s of
-    the logits tile acc (tokens [s0, s0 + BLOCK_S) of head h, column block n), or -1
-    throughout where the row is unsure."""
+    """short[h, s, n * SHORT + j] (int32): the packed keys of the shortlist (`_shortlist`)
+    of row s of the logits tile acc (tokens [s0, s0 + BLOCK_S) of head h, column block
+    n), best first, or 0 throughout where the row is unsure (0 is no expert's key)."""
     coln = n * BLOCK_N + tl.arange(0, BLOCK_N)
     bias_n = tl.zeros([BLOCK_N], tl.float32)
     if HAS_BIAS:
         bias_n = tl.load(bias_ptr + h * E + coln)
-    ids, unsure = _shortlist(acc, coln, bias_n, E, TOP_K, SHORT, BLOCK_N, HAS_BIAS, ERROR,
-                             INTERPRET)
-    # Rows from a fresh arange: in the layout of the ids, not of acc's rows (sm_90: the
+    keys, unsure = _shortlist(acc, coln, bias_n, E, TOP_K, SHORT, BLOCK_N, HAS_BIAS, ERROR,
+                              INTERPRET)
+    # Rows from a fresh arange: in the layout of the keys, not of acc's rows (sm_90: the
     # latter took ~50 registers more in a version that also read logits back here).
     rows = s0 + tl.arange(0, BLOCK_S)
     NSPLIT: tl.constexpr = E // BLOCK_N
     so = ((h.to(tl.int64) * S + rows) * NSPLIT + n)[:, None] * SHORT + \
         tl.arange(0, SHORT)[None, :]
-    tl.store(short_ptr + so, tl.where(unsure[:, None], -1, ids).to(tl.int16),
+    tl.store(short_ptr + so, tl.where(unsure[:, None], 0, keys).to(tl.int32, bitcast=True),
              mask=(rows < S)[:, None])
 
 
@@ -1452,7 +1493,7 @@ def triton_logits_route(
     if cfg.split and cfg.shortlist and score_func == "sigmoid" and num_groups == 1 and \
             top_k <= 16:
         short_n = shortlist_size(top_k, block_n)
-        short = torch.empty(H, S, (E // block_n) * short_n, device=device, dtype=torch.int16)
+        short = torch.empty(H, S, (E // block_n) * short_n, device=device, dtype=torch.int32)
     l_desc = None
     if cfg.split and cfg.tma_store:
         half = cfg.half_stores and block_n >= 32

@@ -225,7 +225,7 @@ def _cases():
             "counts_ptr": "*i32", "S": "i32", "H": "i32", "NB": "i32", "group_size": "i32",
             "norm_eps": "fp32", "route_scale": "fp32",
             **({"l_desc": f"tensordesc<fp32[1, {c.block_s}, {store_n}]>"} if tma_store else {}),
-            **({"short_ptr": "*i16"} if short else {})},
+            **({"short_ptr": "*i32"} if short else {})},
            dict(E=E, D=D, TOP_K=K, SOFTMAX=False, HAS_BIAS=True, ROUTE_NORM=True, NUM_GROUPS=1,
                 TOPK_GROUPS=1, BLOCK_S=c.block_s, BLOCK_D=c.block_d,
                 BLOCK_K=triton.next_power_of_2(K), BLOCK_G=1, WRITE_LOGITS=True,
