@@ -204,7 +204,8 @@ def _hard_logits(rng, H, S, E):
         for (a, b), (x, dx) in zip(FLIP_PAIRS, levels, strict=True):
             if b < E:
                 logits[:, row, a], logits[:, row, b] = x + dx, x
-    logits[:, row, :3] = torch.tensor([1.0 + 3.5e-6, 0.5, 1.0])  # the pair at the K boundary
+    # a flip pair at the top of a row: at the K boundary for K = 1, among the picks for more
+    logits[:, row, :3] = torch.tensor([1.0 + 3.5e-6, 0.5, 1.0])
     return logits
 
 
@@ -315,9 +316,12 @@ def _shortlist_probe_kernel(logits_ptr, bias_ptr, short_ptr, S, E: tl.constexpr,
                         BLOCK_S, BLOCK_N, HAS_BIAS, ERROR, INTERPRET)
 
 
-def _shortlist_route(logits, top_k, bias, block_n, count_t, block_rows=None, error=None):
+def _shortlist_route(logits, top_k, bias, block_n, count_t, block_rows=None, error=None,
+                     route_error=None):
     """Shortlists of logits [H, S, E] by the logits kernel's epilogue, then the shortlist
-    route kernel: (probs, indices, counts, shortlists: packed keys, 0 where unsure)."""
+    route kernel: (probs, indices, counts, shortlists: packed keys, 0 where unsure).
+    error, route_error: the approximate sigmoid's bound in the lists' and the route's
+    margins (default: the real one)."""
     H, S, E = logits.shape
     short_n = kr.shortlist_size(top_k, block_n)
     logits = logits.to(DEVICE).contiguous()
@@ -332,7 +336,7 @@ def _shortlist_route(logits, top_k, bias, block_n, count_t, block_rows=None, err
     indices = torch.empty(H, S, top_k, dtype=torch.int64, device=DEVICE)
     counts = torch.zeros(H, triton.cdiv(S, count_t), E, dtype=torch.int32, device=DEVICE)
     kr._launch_shortlist_route(short, logits, top_k, b, True, 1e-12, 4.9, probs, indices,
-                               counts, count_t, block_rows=block_rows)
+                               counts, count_t, block_rows=block_rows, error=route_error)
     return probs, indices, counts, short
 
 
@@ -345,6 +349,7 @@ def _shortlist_route(logits, top_k, bias, block_n, count_t, block_rows=None, err
     (64, 7, 16),    # lists of 8 = K + 1
     (32, 16, 16),   # K >= the block: every expert listed, no row unsure
     (16, 1, 16),    # one block, K = 1
+    (16, 4, 16),    # one block, lists of K: no (K + 1)-th key to check
 ])
 def test_shortlist_route_equals_exact_rounds(rng, bias_scale, E, K, block_n):
     # Each column block lists its next_pow2(K) largest keys per row (or marks the row
@@ -353,7 +358,7 @@ def test_shortlist_route_equals_exact_rounds(rng, bias_scale, E, K, block_n):
     # here, and programs mixing them), or routes unsure rows from all their logits. On
     # every row (ties, near-ties, the interpreter's deliberately swapped pairs, inf, NaN)
     # the results must be the exact rounds' on the whole row, bitwise: probs, indices,
-    # counts. And every list of a row not marked unsure holds the exact picks of its block.
+    # counts. And the lists of a row not marked unsure hold its exact picks.
     H, S = 2, 23
     logits = _hard_logits(rng, H, S, E)
     bias = None if bias_scale is None else torch.randn(H, E, generator=rng) * bias_scale
@@ -399,6 +404,74 @@ def test_shortlist_margin_is_needed():
     assert (short == 0).all()
     _, i0, _, _ = _shortlist_route(logits, K, None, 16, 4, 2, error=0.0)
     assert (i0[0, :, 1] == 2).sum() >= S // 4
+
+
+def _tied(short, K, E, error):
+    """Rows (with no unsure list) whose K + 1 largest listed keys are not all apart by the
+    margin: the route kernel's tied rows, recomputed here (`_keys_apart`)."""
+    low = E - 1
+    top = (short.cpu().long() & 0xFFFFFFFF).sort(-1, descending=True).values[..., :K + 1]
+
+    def value(key):  # `_key_value`
+        bits = torch.where(key >= 2**31, key ^ 0x80000000, ~key & 0xFFFFFFFF)
+        return torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32).view(
+            torch.float32)
+
+    lo, hi = value(top[..., :-1] & ~low), value(top[..., 1:] | low)
+    margin = 2.0 * (error + 2.0**-22 * torch.maximum(lo.abs(), hi.abs()))
+    return ~(lo - hi > margin).all(-1) & (short != 0).all(-1).cpu()
+
+
+def test_shortlist_route_takes_both_paths(rng):
+    # The route kernel orders a row's picks by its listed keys where they are apart, and
+    # runs the exact rounds on its listed logits where they are not (tied rows): at
+    # MAGI-2's E, K and column blocks, both kinds of row in one program (the interpreter's
+    # 128 rows a program), and the results those of the exact rounds.
+    # (`_hard_logits` rows leave a column block unsure here: their other columns tie.)
+    H, S, E, K = 2, 23, 256, 6
+    logits = torch.randn(H, S, E, generator=rng)
+    x = 3.0 + torch.arange(S // 2) * 7.3e-7  # a flip pair among the picks: always tied
+    logits[:, :S // 2, 0], logits[:, :S // 2, 2] = x + 3.5e-6, x
+    bias = torch.randn(H, E, generator=rng) * 0.02
+    bias[:, 0] = bias[:, 2]
+    p, i, c, short = _shortlist_route(logits, K, bias, 128, 4)
+    tied = _tied(short, K, E, kr.SIGMOID_APPROX_ERROR.value)
+    keyed = (short != 0).all(-1).cpu() & ~tied
+    assert (tied.sum(1) > 0).all() and (keyed.sum(1) > 0).all(), (tied, keyed)
+    exact = triton_route(logits.to(DEVICE), K, "sigmoid", bias.to(DEVICE), True, 1e-12, 4.9,
+                         keyed=False, count_block_t=4)
+    assert torch.equal(i, exact[1]) and torch.equal(c, exact[2])
+    assert torch.equal(p.nan_to_num(7.0), exact[0].nan_to_num(7.0))
+
+
+@pytest.mark.parametrize("case", ["across_blocks", "within_block"])
+def test_shortlist_keyed_order_margin_is_needed(case):
+    # Rows whose lists are sure but whose picks hold a pair the interpreter's approximate
+    # sigmoid swaps (column 0 or 9, 0 mod 3, moved down; column 2 moved up), the exact
+    # scores a few ulps apart and spread over the keys' buckets (E = 16): the route kernel
+    # must find them tied and take the exact rounds. With the route's error bound set to
+    # 0 it orders many of them by the swapped keys, and routes them wrongly.
+    if not kr._interpreting():
+        pytest.skip("relies on the interpreter's perturbed sigmoid")
+    H, S, E, K = 1, 64, 16, 2
+    logits = torch.full((H, S, E), -6.0)
+    x = 3.0 + torch.arange(S) * 7.3e-7
+    if case == "across_blocks":  # picks 0 and 9; 2 (block 0) near-tied with 9 (block 1)
+        logits[0, :, 0], logits[0, :, 8] = 8.0, 1.0
+        logits[0, :, 9], logits[0, :, 2] = x + 2.6e-6, x
+        wrong = lambda i: i[0, :, 1] == 2  # noqa: E731
+    else:  # picks 0 then 2, near-tied, both in block 0; block 1 lists 9 and 8
+        logits[0, :, 9], logits[0, :, 8] = 1.0, 0.0
+        logits[0, :, 0], logits[0, :, 2] = x + 2.6e-6, x
+        wrong = lambda i: i[0, :, 0] == 2  # noqa: E731
+    exact = triton_route(logits.to(DEVICE), K, keyed=False, route_scale=4.9, count_block_t=4)
+    assert not wrong(exact[1].cpu()).any()
+    p, i, c, short = _shortlist_route(logits, K, None, 8, 4, 16)
+    assert (short != 0).all()  # every list sure: these rows reach the keyed rounds
+    assert _tied(short, K, E, kr.SIGMOID_APPROX_ERROR.value).all()
+    assert torch.equal(i, exact[1]) and torch.equal(p, exact[0]) and torch.equal(c, exact[2])
+    _, i0, _, _ = _shortlist_route(logits, K, None, 8, 4, 16, route_error=0.0)
+    assert wrong(i0.cpu()).sum() >= S // 4
 
 
 def _check_layout(probs, indices, num_experts, **tile):

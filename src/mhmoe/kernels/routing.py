@@ -646,6 +646,7 @@ def _shortlist_route_kernel(
     E: tl.constexpr, TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr, ROUTE_NORM: tl.constexpr,
     C: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
     FALLBACK_ROWS: tl.constexpr, INTERPRET: tl.constexpr, COUNT_T: tl.constexpr = 0,
+    ERROR: tl.constexpr = SIGMOID_APPROX_ERROR,
 ):
     """Sigmoid routing (no groups) of BLOCK_ROWS tokens of one head from their shortlists.
 
@@ -656,14 +657,17 @@ def _shortlist_route_kernel(
     order the picks, C where they do not, instead of E. A program with an unsure row
     (a column block's keys 0) walks its rows FALLBACK_ROWS at a time, and routes those
     with an unsure row among them from their whole logits with the exact rounds
-    (`_route_rows`).
+    (`_route_rows`). ERROR: the approximate sigmoid's bound, as in `_shortlist` (tests
+    lower it to show the margin is needed). E is a power of two (the keys' low bits).
     """
+    tl.static_assert((E & (E - 1)) == 0, "shortlist keys need a power-of-two E")
     b = tl.program_id(0)
     h = tl.program_id(1)
     rows = b * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     ccol = tl.arange(0, C)
     hs = h.to(tl.int64) * S + rows.to(tl.int64)
-    # Rows past S read keys of 1 (not 0, the unsure mark): their outputs are masked.
+    # Rows past S read keys of 1 (not 0, the unsure mark): computed with the others,
+    # their loads and outputs masked.
     keys = tl.load(short_ptr + hs[:, None] * C + ccol[None, :], mask=(rows < S)[:, None],
                    other=1).to(tl.uint32, bitcast=True)
     if tl.max(tl.max((keys == 0).to(tl.int32), 1), 0) > 0:
@@ -685,11 +689,11 @@ def _shortlist_route_kernel(
             else:
                 _route_listed(fkeys, fr, h, logits_ptr, bias_ptr, probs_ptr, indices_ptr,
                               counts_ptr, S, NB, norm_eps, route_scale, E, TOP_K, HAS_BIAS,
-                              ROUTE_NORM, C, FALLBACK_ROWS, BLOCK_K, COUNT_T, INTERPRET)
+                              ROUTE_NORM, C, FALLBACK_ROWS, BLOCK_K, COUNT_T, ERROR, INTERPRET)
     else:
         _route_listed(keys, rows, h, logits_ptr, bias_ptr, probs_ptr, indices_ptr,
                       counts_ptr, S, NB, norm_eps, route_scale, E, TOP_K, HAS_BIAS, ROUTE_NORM,
-                      C, BLOCK_ROWS, BLOCK_K, COUNT_T, INTERPRET)
+                      C, BLOCK_ROWS, BLOCK_K, COUNT_T, ERROR, INTERPRET)
 
 
 @triton.jit
@@ -697,9 +701,9 @@ def _route_listed(keys, rows, h, logits_ptr, bias_ptr, probs_ptr, indices_ptr, c
                   S, NB, norm_eps, route_scale, E: tl.constexpr, TOP_K: tl.constexpr,
                   HAS_BIAS: tl.constexpr, ROUTE_NORM: tl.constexpr, C: tl.constexpr,
                   BLOCK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, COUNT_T: tl.constexpr,
-                  INTERPRET: tl.constexpr):
+                  ERROR: tl.constexpr, INTERPRET: tl.constexpr):
     """Sigmoid routing of rows from their C listed experts, given as packed keys [rows, C]
-    (uint32, none unsure).
+    (uint32; no list unsure, rows past S masked).
 
     The rounds of `_top_k_keyed` on the keys first: where they show the K + 1 largest
     keys apart by the margin, the K largest are the exact picks in the exact order (the
@@ -713,7 +717,8 @@ def _route_listed(keys, rows, h, logits_ptr, bias_ptr, probs_ptr, indices_ptr, c
     row_ok = rows < S
     kcol = tl.arange(0, BLOCK_K)[None, :]
     hs = h.to(tl.int64) * S + rows.to(tl.int64)
-    i_tile, tied = _top_k_of_keys(keys, C, TOP_K, BLOCK_K, LOW, SIGMOID_APPROX_ERROR)
+    i_tile, tied = _top_k_of_keys(keys, C, TOP_K, BLOCK_K, LOW, ERROR)
+    tied = tied & row_ok  # (rows past S: equal keys, never apart)
     x_sel = tl.load(logits_ptr + hs[:, None] * E + i_tile,
                     mask=(row_ok & ~tied)[:, None] & (kcol < TOP_K), other=0.0)
     if tl.max(tied.to(tl.int32), 0) > 0:
@@ -813,6 +818,7 @@ def _write_shortlist(acc, s0, h, n, bias_ptr, short_ptr, S, E: tl.constexpr,
     """short[h, s, n * SHORT + j] (int32): the packed keys of the shortlist (`_shortlist`)
     of row s of the logits tile acc (tokens [s0, s0 + BLOCK_S) of head h, column block
     n), best first, or 0 throughout where the row is unsure (0 is no expert's key)."""
+    tl.static_assert((E & (E - 1)) == 0, "shortlist keys need a power-of-two E")
     coln = n * BLOCK_N + tl.arange(0, BLOCK_N)
     bias_n = tl.zeros([BLOCK_N], tl.float32)
     if HAS_BIAS:
@@ -1320,9 +1326,10 @@ def shortlist_size(top_k: int, block_n: int) -> int:
 
 def _launch_shortlist_route(short, logits, top_k, expert_bias, route_norm, norm_eps,
                             route_scale, probs, indices, counts, count_t,
-                            block_rows=None, num_warps=None) -> None:
+                            block_rows=None, num_warps=None, error=None) -> None:
     """`_shortlist_route_kernel` on the shortlists short [H, S, C] of fp32 logits [H, S, E]
-    (sigmoid, no groups) into probs and indices (and counts, as `_launch_route`)."""
+    (sigmoid, no groups) into probs and indices (and counts, as `_launch_route`); error
+    overrides the margin's bound (tests)."""
     H, S, E = logits.shape
     C = short.shape[2]
     if block_rows is None:
@@ -1339,7 +1346,7 @@ def _launch_shortlist_route(short, logits, top_k, expert_bias, route_norm, norm_
         C=C, BLOCK_ROWS=block_rows, BLOCK_E=triton.next_power_of_2(E),
         BLOCK_K=triton.next_power_of_2(top_k), FALLBACK_ROWS=min(2, block_rows),
         INTERPRET=_interpreting(), COUNT_T=count_t if counts is not None else 0,
-        num_warps=num_warps,
+        ERROR=SIGMOID_APPROX_ERROR.value if error is None else error, num_warps=num_warps,
     )
 
 
