@@ -406,22 +406,6 @@ def test_shortlist_margin_is_needed():
     assert (i0[0, :, 1] == 2).sum() >= S // 4
 
 
-def _tied(short, K, E, error):
-    """Rows (with no unsure list) whose K + 1 largest listed keys are not all apart by the
-    margin: the route kernel's tied rows, recomputed here (`_keys_apart`)."""
-    low = E - 1
-    top = (short.cpu().long() & 0xFFFFFFFF).sort(-1, descending=True).values[..., :K + 1]
-
-    def value(key):  # `_key_value`
-        bits = torch.where(key >= 2**31, key ^ 0x80000000, ~key & 0xFFFFFFFF)
-        return torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32).view(
-            torch.float32)
-
-    lo, hi = value(top[..., :-1] & ~low), value(top[..., 1:] | low)
-    margin = 2.0 * (error + 2.0**-22 * torch.maximum(lo.abs(), hi.abs()))
-    return ~(lo - hi > margin).all(-1) & (short != 0).all(-1).cpu()
-
-
 def test_shortlist_route_takes_both_paths(rng):
     # The route kernel orders a row's picks by its listed keys where they are apart, and
     # runs the exact rounds on its listed logits where they are not (tied rows): at
@@ -435,7 +419,7 @@ def test_shortlist_route_takes_both_paths(rng):
     bias = torch.randn(H, E, generator=rng) * 0.02
     bias[:, 0] = bias[:, 2]
     p, i, c, short = _shortlist_route(logits, K, bias, 128, 4)
-    tied = _tied(short, K, E, kr.SIGMOID_APPROX_ERROR.value)
+    tied = kr.shortlist_tied_rows(short, K, E)
     keyed = (short != 0).all(-1).cpu() & ~tied
     assert (tied.sum(1) > 0).all() and (keyed.sum(1) > 0).all(), (tied, keyed)
     exact = triton_route(logits.to(DEVICE), K, "sigmoid", bias.to(DEVICE), True, 1e-12, 4.9,
@@ -468,7 +452,7 @@ def test_shortlist_keyed_order_margin_is_needed(case):
     assert not wrong(exact[1].cpu()).any()
     p, i, c, short = _shortlist_route(logits, K, None, 8, 4, 16)
     assert (short != 0).all()  # every list sure: these rows reach the keyed rounds
-    assert _tied(short, K, E, kr.SIGMOID_APPROX_ERROR.value).all()
+    assert kr.shortlist_tied_rows(short, K, E).all()
     assert torch.equal(i, exact[1]) and torch.equal(p, exact[0]) and torch.equal(c, exact[2])
     _, i0, _, _ = _shortlist_route(logits, K, None, 8, 4, 16, route_error=0.0)
     assert wrong(i0.cpu()).sum() >= S // 4

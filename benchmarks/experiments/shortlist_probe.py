@@ -110,28 +110,8 @@ R._launch_shortlist_route = orig
 sh, lg2 = seen["short"], seen["logits"]
 out["unsure_half_rows"] = (sh[..., ::8] == 0).float().mean().item()
 out["unsure_rows"] = (sh == 0).any(-1).float().mean().item()
-
-
-def tied_rows(short, top_k, error=2.0**-19):
-    """Share of the sure rows whose K + 1 largest listed keys are not all apart by the
-    margin of `routing._keys_apart` (those read all their listed logits)."""
-    low = E - 1
-    u = short.long() & 0xFFFFFFFF
-    sure = ~(short == 0).any(-1)
-    top = u.sort(-1, descending=True).values[..., :top_k + 1]
-
-    def value(key):  # `routing._key_value`
-        bits = torch.where(key >= 2**31, key ^ 0x80000000, ~key & 0xFFFFFFFF)
-        bits = torch.where(bits >= 2**31, bits - 2**32, bits)
-        return bits.to(torch.int32).view(torch.float32)
-
-    lo, hi = value(top[..., :-1] & ~low), value(top[..., 1:] | low)
-    margin = 2.0 * (error + 2.0**-22 * torch.maximum(lo.abs(), hi.abs()))
-    tied = ~(lo - hi > margin).all(-1)
-    return (tied & sure).float().sum().item() / max(sure.sum().item(), 1)
-
-
-out["tied_rows"] = tied_rows(sh, K)
+sure = (sh != 0).all(-1).cpu()
+out["tied_rows"] = (R.shortlist_tied_rows(sh, K, E).sum() / sure.sum().clamp(min=1)).item()
 tiles = {}
 for rows, nw in ((32, 2), (64, 2), (64, 4), (128, 4), (32, 1), (64, 1), (16, 1)):
     probs = torch.empty(H, S, K, device=dev)

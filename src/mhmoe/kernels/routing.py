@@ -1324,6 +1324,29 @@ def shortlist_size(top_k: int, block_n: int) -> int:
     return min(triton.next_power_of_2(top_k), block_n)
 
 
+def shortlist_tied_rows(short: torch.Tensor, top_k: int, num_experts: int,
+                        error: float | None = None) -> torch.Tensor:
+    """The rows of shortlists short [..., C] (`_write_shortlist`'s packed keys) that
+    `_shortlist_route_kernel` finds tied: no list unsure, but the top_k + 1 largest
+    listed keys not all apart by `_keys_apart`'s margin (then it reads all C listed
+    logits). Bool [...], on the CPU; the kernel's check redone on the host (tests and
+    benchmarks). error: the bound in the margin (default SIGMOID_APPROX_ERROR)."""
+    error = SIGMOID_APPROX_ERROR.value if error is None else error
+    low = num_experts - 1
+    short = short.cpu()
+    keys = short.long() & 0xFFFFFFFF  # the uint32 keys
+    top = keys.sort(-1, descending=True).values[..., :top_k + 1]
+
+    def value(key):  # `_key_value`: the fp32 value of an ordered encoding
+        bits = torch.where(key >= 2**31, key ^ 0x80000000, ~key & 0xFFFFFFFF)
+        bits = torch.where(bits >= 2**31, bits - 2**32, bits)
+        return bits.to(torch.int32).view(torch.float32)
+
+    lo, hi = value(top[..., :-1] & ~low), value(top[..., 1:] | low)
+    margin = 2.0 * (error + 2.0**-22 * torch.maximum(lo.abs(), hi.abs()))
+    return ~(lo - hi > margin).all(-1) & (short != 0).all(-1)
+
+
 def _launch_shortlist_route(short, logits, top_k, expert_bias, route_norm, norm_eps,
                             route_scale, probs, indices, counts, count_t,
                             block_rows=None, num_warps=None, error=None) -> None:
