@@ -75,3 +75,22 @@ def test_compiled_sm90_kernels_have_no_register_a_hazards():
     assert all(r["hgmma_register_a"] > 0 for r in shipped
                if r["kernel"].startswith(("expert forward", "expert dx")))
     assert run.returncode == 0, run.stderr[-3000:]
+
+
+def test_gluon_logits_experiment_still_compiles_for_sm90():
+    # benchmarks/experiments/logits_gluon_ws.py (routing v13, not kept) calls the shortlist
+    # epilogue of the routing kernels (`_shortlist`, with its columns' layout passed in)
+    # from Gluon: compiled here for sm_90 in each of its variants, so that a change to
+    # those helpers cannot leave the recorded experiment unrunnable unnoticed.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "experiments",
+                          "logits_gluon_ws.py")
+    run = subprocess.run([sys.executable, script, "--compile-only"], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.strip().splitlines()
+    assert len(lines) == 5, run.stdout
+    # 12 warps (two MMA warpgroups, the loaders' warpgroup), no spills, under 227 KB
+    for line in lines:
+        assert "12 warps" in line and "0 bytes spill stores" in line, line
+        assert int(line.split("shared ")[1].split(" B")[0]) <= 227 * 1024, line

@@ -1,4 +1,5 @@
-"""The router inputs the routing experiments share: MAGI-2's dims at S = 32768, seed 0.
+"""The router inputs the routing experiments share: MAGI-2's dims at S = 32768, seed 0;
+and their timers (`bench`, `kernels_in`).
 
 x [S, H, D] bf16, gate [H, E, D] fp32 (scale D^-0.5: logits ~ N(0, 1)), a selection bias
 ~ N(0, 0.01^2), and the routing keywords of `triton_logits_route` / `triton_route`.
@@ -18,6 +19,48 @@ def router_inputs(dev: torch.device, count_block_t: int | None = 64):
     if count_block_t is not None:
         kw["count_block_t"] = count_block_t
     return x, gate, bias, kw
+
+
+def bench(fn) -> float:
+    """fn's median time (ms, do_bench: L2 flushed before each run), 4 decimals."""
+    import triton.testing
+
+    return round(triton.testing.do_bench(fn, warmup=50, rep=400), 4)
+
+
+def kernels_in(fn, calls: int = 30) -> dict:
+    """The average time (us) of each event of `calls` calls of fn under the torch profiler
+    (kernels, and the host events at 0), by name (50 characters)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    res = {}
+    for ev in prof.key_averages():
+        tot = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if ev.count and tot:
+            res[ev.key[:50]] = round(tot / ev.count, 2)
+    return res
+
+
+def time_interleaved(graphs: dict, eager: dict, res: dict, rounds: int = 4) -> None:
+    """Into res[name]: "route_layout_graph" (do_bench of graphs[name].replay) and
+    "route_eager" (of eager[name]), the names interleaved over `rounds` rounds, then
+    "kernels_graph_us" (`kernels_in` of the replays)."""
+    import json
+
+    for name in graphs:
+        res[name]["route_layout_graph"] = []
+        res[name]["route_eager"] = []
+    for _ in range(rounds):
+        for name, g in graphs.items():
+            res[name]["route_layout_graph"].append(bench(g.replay))
+            res[name]["route_eager"].append(bench(eager[name]))
+    for name, g in graphs.items():
+        res[name]["kernels_graph_us"] = kernels_in(g.replay)
+        print(name, json.dumps(res[name]), flush=True)
 
 
 def experiment_main(compile_only, gpu) -> None:

@@ -14,10 +14,7 @@ import json
 import sys
 
 import torch
-import triton
-import triton.testing
-from router_inputs import E, K, router_inputs
-from torch.profiler import ProfilerActivity, profile
+from router_inputs import E, K, bench, kernels_in, router_inputs
 
 from mhmoe.bench import matmul_peak_tflops
 from mhmoe.kernels import routing as R
@@ -29,22 +26,6 @@ default = R.logits_route_config(dev)
 configs = {"full": dataclasses.replace(default, shortlist=False),
            "shortlist": dataclasses.replace(default, shortlist=True)}
 
-
-def bench(fn):
-    return round(triton.testing.do_bench(fn, warmup=50, rep=400), 4)
-
-
-def kernels_in(fn):
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(30):
-            fn()
-        torch.cuda.synchronize()
-    res = {}
-    for ev in prof.key_averages():
-        tot = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
-        if ev.count and tot:
-            res[ev.key[:50]] = round(tot / ev.count, 2)
-    return res
 
 
 ref = None

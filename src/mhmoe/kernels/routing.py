@@ -376,15 +376,16 @@ def _top_k_of_keys(key, N: tl.constexpr, TOP_K: tl.constexpr, BLOCK_K: tl.conste
 
 
 @triton.jit
-def _shortlist(acc, coln, bias, E: tl.constexpr, TOP_K: tl.constexpr, SHORT: tl.constexpr,
-               BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, ERROR: tl.constexpr,
-               INTERPRET: tl.constexpr):
+def _shortlist(acc, coln, bias, scol, E: tl.constexpr, TOP_K: tl.constexpr,
+               SHORT: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
+               ERROR: tl.constexpr, INTERPRET: tl.constexpr):
     """A shortlist of SHORT experts per row that holds the row's exact top TOP_K.
 
     acc: [rows, BLOCK_N] fp32 logits of experts coln (BLOCK_N of the E, a power of two;
-    sigmoid scores, bias for selection, no groups). Returns (keys [rows, SHORT] uint32,
-    the SHORT best keys, best first, each with its expert's id in its low bits as
-    `_top_k_keyed` packs them; unsure [rows] bool).
+    sigmoid scores, bias for selection, no groups); scol: [1, SHORT], 0 .. SHORT - 1 (in
+    the layout the caller wants the keys in: the Gluon kernel has to say). Returns (keys
+    [rows, SHORT] uint32, the SHORT best keys, best first, each with its expert's id in
+    its low bits as `_top_k_keyed` packs them; unsure [rows] bool).
 
     The keys are `_top_k_keyed`'s, from the approximate sigmoid, with the global expert
     id in their low bits; SHORT + 1 rounds find a_1 > ... > a_{SHORT+1}. Where
@@ -402,7 +403,6 @@ def _shortlist(acc, coln, bias, E: tl.constexpr, TOP_K: tl.constexpr, SHORT: tl.
     if HAS_BIAS:
         v = v + bias[None, :]
     key = _keys(_nan_as_neg_inf(v, INTERPRET), coln, LOW)
-    scol = tl.arange(0, SHORT)[None, :]
     prev = tl.max(key, 1)
     keys = tl.where(scol == 0, prev[:, None], 0)
     kth = prev
@@ -823,8 +823,8 @@ def _write_shortlist(acc, s0, h, n, bias_ptr, short_ptr, S, E: tl.constexpr,
     bias_n = tl.zeros([BLOCK_N], tl.float32)
     if HAS_BIAS:
         bias_n = tl.load(bias_ptr + h * E + coln)
-    keys, unsure = _shortlist(acc, coln, bias_n, E, TOP_K, SHORT, BLOCK_N, HAS_BIAS, ERROR,
-                              INTERPRET)
+    keys, unsure = _shortlist(acc, coln, bias_n, tl.arange(0, SHORT)[None, :], E, TOP_K, SHORT,
+                              BLOCK_N, HAS_BIAS, ERROR, INTERPRET)
     # Rows from a fresh arange: in the layout of the keys, not of acc's rows (sm_90: the
     # latter took ~50 registers more in a version that also read logits back here).
     rows = s0 + tl.arange(0, BLOCK_S)
@@ -1355,11 +1355,13 @@ def _launch_shortlist_route(short, logits, top_k, expert_bias, route_norm, norm_
     overrides the margin's bound (tests)."""
     H, S, E = logits.shape
     C = short.shape[2]
+    # GPU: 16 rows on one warp (routing v13: 61 us against 69 for 32 rows on two warps in
+    # graph replays of route + layout at MAGI-2's S = 32768, the same bits).
     if block_rows is None:
-        block_rows = 128 if _interpreting() else 32
+        block_rows = 128 if _interpreting() else 16
     block_rows = min(block_rows, triton.next_power_of_2(max(S, 1)))
     if num_warps is None:
-        num_warps = 2
+        num_warps = 1
     bias = _bias_arg(expert_bias, H, E, logits)
     _shortlist_route_kernel[(triton.cdiv(S, block_rows), H)](
         short, logits, bias, probs, indices,
