@@ -52,9 +52,10 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from mhmoe.kernels import routing as R
 
 # Registers a thread, by partition: the two MMA warpgroups (a [128, 128] fp32 accumulator
-# is 128 of them, the epilogue's keys as many again while it converts), the loader. The
-# kernel's limit (`maxnreg`) is what leaves 232 to the default partition too: 12 warps
-# (the loader's warp rounds up to a warpgroup) of 168 fill the 64K registers of an SM.
+# is 128 of them, the epilogue's keys as many again while it converts), the two loader
+# warps. The kernel's limit (`maxnreg`) is what leaves 232 to the default partition too:
+# 12 warps (the loaders' two round up to a warpgroup) of 168 fill the 64K registers of an
+# SM.
 MMA_REGS, LOAD_REGS = gl.constexpr(232), gl.constexpr(40)
 MAXNREG = 168
 

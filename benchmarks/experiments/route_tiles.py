@@ -15,12 +15,10 @@ import os
 import sys
 
 import torch
-import triton.testing
-from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "src"))
 sys.path.insert(0, os.path.dirname(__file__))
-from router_inputs import E, router_inputs
+from router_inputs import E, bench, kernels_in, router_inputs
 
 from mhmoe.bench import matmul_peak_tflops
 from mhmoe.kernels import routing as R
@@ -59,17 +57,9 @@ def main(out_path: str) -> None:
         graphs[name] = g
     for _ in range(6):
         for name, g in graphs.items():
-            res[name]["route_layout_graph"].append(
-                round(triton.testing.do_bench(g.replay, warmup=50, rep=400), 4))
+            res[name]["route_layout_graph"].append(bench(g.replay))
     for name, g in graphs.items():
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(30):
-                g.replay()
-            torch.cuda.synchronize()
-        res[name]["kernels_us"] = {
-            ev.key[:40]: round((getattr(ev, "device_time_total", None)
-                                or getattr(ev, "cuda_time_total", 0)) / ev.count, 2)
-            for ev in prof.key_averages() if ev.count}
+        res[name]["kernels_us"] = kernels_in(g.replay)
         print(name, json.dumps(res[name]), flush=True)
     out["tiles"] = res
     with open(out_path, "w") as f:

@@ -823,14 +823,14 @@ def _write_shortlist(acc, s0, h, n, bias_ptr, short_ptr, S, E: tl.constexpr,
     bias_n = tl.zeros([BLOCK_N], tl.float32)
     if HAS_BIAS:
         bias_n = tl.load(bias_ptr + h * E + coln)
-    keys, unsure = _shortlist(acc, coln, bias_n, tl.arange(0, SHORT)[None, :], E, TOP_K, SHORT,
-                              BLOCK_N, HAS_BIAS, ERROR, INTERPRET)
+    scol = tl.arange(0, SHORT)[None, :]
+    keys, unsure = _shortlist(acc, coln, bias_n, scol, E, TOP_K, SHORT, BLOCK_N, HAS_BIAS,
+                              ERROR, INTERPRET)
     # Rows from a fresh arange: in the layout of the keys, not of acc's rows (sm_90: the
     # latter took ~50 registers more in a version that also read logits back here).
     rows = s0 + tl.arange(0, BLOCK_S)
     NSPLIT: tl.constexpr = E // BLOCK_N
-    so = ((h.to(tl.int64) * S + rows) * NSPLIT + n)[:, None] * SHORT + \
-        tl.arange(0, SHORT)[None, :]
+    so = ((h.to(tl.int64) * S + rows) * NSPLIT + n)[:, None] * SHORT + scol
     tl.store(short_ptr + so, tl.where(unsure[:, None], 0, keys).to(tl.int32, bitcast=True),
              mask=(rows < S)[:, None])
 
