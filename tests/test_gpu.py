@@ -353,6 +353,54 @@ def test_expert_kernels_repeatable_at_full_size(magi2_layer):
         del out
 
 
+@pytest.mark.parametrize("S,H,E,K,I,edge,group_bytes", [
+    (300, 2, 8, 2, 192, "tiles ending inside an expert's rows", None),
+    (200, 2, 4, 2, 64, "one slice of I: no middle blocks", None),
+    (1000, 3, 16, 4, 320, "every head-0 token on expert 0, the last experts empty", None),
+    (512, 4, 8, 2, 128, "a head a launch (small workspaces)", 512 * 256 * 4),
+    (4096, 12, 256, 6, 1280, "MAGI-2's expert shapes", None),
+])
+def test_gluon_expert_forward_equals_triton(S, H, E, K, I, edge, group_bytes, monkeypatch):
+    # The warp-specialised Gluon kernel accumulates every sum in the Triton kernel's order:
+    # the deterministic modes agree bitwise; the default mode (atomic adds) within
+    # rounding; both against float64 as well as PyTorch's fp32 math.
+    import dataclasses as dc
+
+    import mhmoe.kernels.expert_forward as ef
+    from mhmoe.reference import expert_forward_reference
+
+    if group_bytes is not None:
+        monkeypatch.setattr(ef, "DEFAULT_WORKSPACE_BYTES", group_bytes)
+        monkeypatch.setattr(ef, "DETERMINISTIC_WORKSPACE_BYTES", group_bytes * K)
+    D = 256
+    gen = torch.Generator(device="cuda").manual_seed(S + I)
+    x = torch.randn(S, H, D, device="cuda", generator=gen).bfloat16()
+    wg = (torch.randn(H * E, D, I, device="cuda", generator=gen) * D**-0.5).bfloat16()
+    wu = (torch.randn(H * E, D, I, device="cuda", generator=gen) * D**-0.5).bfloat16()
+    wd = (torch.randn(H * E, I, D, device="cuda", generator=gen) * I**-0.5).bfloat16()
+    scores = torch.rand(H, S, E, device="cuda", generator=gen)
+    if "empty" in edge:
+        scores[0, :, 0] += 2.0
+        scores[:, :, E - 2:] -= 5.0
+    probs = torch.rand(H, S, K, device="cuda", generator=gen) + 0.1
+    layout = mhmoe.sort_routes(probs, scores.topk(K, dim=-1).indices, E)
+    rows = layout.gather_ids.numel() / (H * E)
+    triton_cfg = ef.expert_forward_config(x.device, rows, D, wd.dtype)
+    ws_cfg = dc.replace(triton_cfg, warp_specialized=True)
+    triton_cfg = dc.replace(triton_cfg, warp_specialized=False)
+    tri = ef.triton_expert_forward(x, *layout, wg, wu, wd, deterministic=True, config=triton_cfg)
+    ws_det = ef.triton_expert_forward(x, *layout, wg, wu, wd, deterministic=True, config=ws_cfg)
+    ws = ef.triton_expert_forward(x, *layout, wg, wu, wd, config=ws_cfg)
+    assert torch.equal(ws_det, tri), edge
+    assert rel_err(ws, ws_det) < 1e-4, edge
+    if S * H * K <= 10000:
+        ref = expert_forward_reference(x.double(), layout.gather_ids,
+                                       layout.sorted_probs.double(), layout.offsets, wg, wu, wd)
+        torch_fp32 = rel_err(expert_forward_reference(x, *layout, wg, wu, wd), ref)
+        for y in (ws, ws_det):
+            assert rel_err(y, ref) <= 1.5 * torch_fp32 + 4e-4, edge
+
+
 def test_backward_panel_head_groups_bitwise_on_gpu(monkeypatch):
     # Panels for one head at a time (12 launches of the dx kernel and of the panel
     # GEMMs) against all heads at once: deterministic mode gives the same bits.

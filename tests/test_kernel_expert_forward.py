@@ -190,10 +190,31 @@ def test_configs():
 def test_hopper_table():
     # MAGI-2 rows per expert (S*K/E) at S = 1024, 4096, 16384, 32768: streaming
     # sizes keep the bulk copies for gate/up, compute-bound ones pair them.
+    # Above 40 rows the Gluon kernel runs where it takes the shapes; the Triton tiles
+    # beside it serve the others.
     picks = [configs.pick(configs._HOPPER, rows) for rows in (24.0, 96.0, 384.0, 768.0)]
-    assert [(c.block_m, c.paired) for c in picks] == [
-        (64, False), (128, False), (128, True), (128, True)]
+    assert [(c.block_m, c.paired, c.warp_specialized) for c in picks] == [
+        (64, False, False), (128, False, True), (128, True, True), (128, True, True)]
     assert step_down(picks[-1]).paired  # shrinking keeps the choice
+
+
+def test_forced_warp_specialized_refuses_shapes_it_does_not_take(rng):
+    # The Gluon kernel needs an sm_90 GPU, bf16 and D = 256: a caller forcing it
+    # elsewhere (here: the CPU, fp32, D = 32) gets an error, not the Triton kernel.
+    problem = make_problem(rng, 8, 1, 2, 1, 32, 64, dtype=torch.float32)
+    cfg = dataclasses.replace(BIG, warp_specialized=True)
+    with pytest.raises(ValueError, match="warp_specialized needs an sm_90 GPU"):
+        run(*problem, config=cfg)
+
+
+def test_default_table_falls_back_to_triton_tiles_where_gluon_does_not_fit(rng, monkeypatch):
+    # A default row with warp_specialized runs its Triton tiles for shapes the Gluon
+    # kernel does not take (the interpreter's table never picks it; this one does).
+    problem = make_problem(rng, 8, 1, 2, 1, 32, 64, dtype=torch.float32)
+    ws_row = dataclasses.replace(BIG, warp_specialized=True)
+    monkeypatch.setattr(ef, "expert_forward_config", lambda *a, **k: ws_row)
+    y = run(*problem)
+    assert rel_err(y, oracle(*problem)) < 1e-5
 
 
 PAIRED = ExpertForwardConfig(block_m=32, block_i=32, num_warps=4, num_stages=1, paired=True)

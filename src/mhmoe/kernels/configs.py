@@ -32,6 +32,12 @@ class ExpertForwardConfig:
                 operand (one wgmma of N = 2*block_i, per-thread pointer loads
                 over both tensors) where W_gate and W_up allow it; `tma` then
                 applies to W_down alone. False: two dots, gate and up.
+    warp_specialized: the Gluon kernel of `kernels/expert_forward_ws.py` (sm_90, bf16,
+                D = 256, I a multiple of 64): persistent, two MMA warpgroups taking
+                turns, two loader warps; its tiles are its own (128 routes, slices of
+                64). The other fields are the Triton kernel's tiles for shapes it does
+                not take when the default table picks the row; a config a caller passes
+                with warp_specialized for such a shape raises ValueError.
     """
 
     block_m: int
@@ -40,6 +46,7 @@ class ExpertForwardConfig:
     num_stages: int
     tma: bool = True
     paired: bool = False
+    warp_specialized: bool = False
 
     def __post_init__(self) -> None:
         check_tiles(self, ("block_m", "block_i"))
@@ -69,11 +76,16 @@ def check_tiles(cfg, blocks: tuple[str, ...]) -> None:
 # x tile is reused over several row blocks per expert: measured on an H200
 # (benchmarks/NOTES.md, v4) -8% at 384 rows per expert, -6% at 768, but +6% at
 # 96, where the kernel streams weights and the bulk copies of `tma` win.
+# warp_specialized (the Gluon kernel, for the shapes it takes; the Triton tiles beside it
+# for the others): measured on an H200 (NOTES.md, forward v5) 9.4-10.1 ms against
+# 11.2 at 768 rows per expert, 5.2-5.6 against 6.1 at 384, 1.91 against 2.08 at 96, but
+# 1.59 against 1.55 at 24, where both stream weights and the Triton tiles stay.
 _HOPPER = (
     (40.0, ExpertForwardConfig(block_m=64, block_i=32, num_warps=4, num_stages=4)),
-    (192.0, ExpertForwardConfig(block_m=128, block_i=32, num_warps=8, num_stages=3)),
+    (192.0, ExpertForwardConfig(block_m=128, block_i=32, num_warps=8, num_stages=3,
+                                warp_specialized=True)),
     (float("inf"), ExpertForwardConfig(block_m=128, block_i=32, num_warps=8, num_stages=3,
-                                       paired=True)),
+                                       paired=True, warp_specialized=True)),
 )
 # Ampere/Ada and unknown CUDA GPUs: less shared memory, no wgmma.
 _GENERIC_CUDA = (

@@ -27,6 +27,7 @@ whole call can be captured in a CUDA graph.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -339,8 +340,10 @@ def uniform_routes(gather_ids: torch.Tensor, offsets: torch.Tensor, S: int, H: i
     return True
 
 
-def _tile_map(offsets: torch.Tensor, first: int, count: int, block_m: int, max_tiles: int):
-    """Tiles of experts [first, first + count): (tile_expert [max_tiles], tile_first [count]).
+def _tile_map(offsets: torch.Tensor, first: int, count: int, block_m: int, max_tiles: int,
+              with_total: bool = False):
+    """Tiles of experts [first, first + count): (tile_expert [max_tiles], tile_first [count]),
+    and with `with_total` the number of tiles (int32 [1], on the device).
 
     tile_expert[t] is the local expert of tile t, or `count` past the last tile;
     tile_first[e] is the first tile of local expert e. Torch ops only, no sync.
@@ -351,6 +354,8 @@ def _tile_map(offsets: torch.Tensor, first: int, count: int, block_m: int, max_t
     tile_first = (ends - tiles).to(torch.int32)
     t = torch.arange(max_tiles, device=offsets.device, dtype=ends.dtype)
     tile_expert = torch.searchsorted(ends, t, right=True, out_int32=True)
+    if with_total:
+        return tile_expert, tile_first, ends[-1:].to(torch.int32)
     return tile_expert, tile_first
 
 
@@ -467,7 +472,9 @@ def triton_expert_forward(
 
     deterministic: bitwise reproducible and independent of the token order;
     needs every (token, head) to have the same number K = R / (S*H) of routes
-    (true of every `sort_routes` layout). config: force tiles (tests).
+    (true of every `sort_routes` layout). config: force tiles (tests); with
+    `warp_specialized` (the sm_90 default above 40 routes per expert) the Gluon
+    kernel of `expert_forward_ws.py` runs instead, with the same results.
     Inputs are assumed valid (`experts.check_expert_inputs`); nothing is read
     back to the host. Works on CUDA tensors, and on CPU tensors under
     TRITON_INTERPRET=1.
@@ -483,8 +490,19 @@ def triton_expert_forward(
     if I == 0:
         return y.zero_()
     interpreting = _interpreting()
+    forced = config is not None
     if config is None:
         config = expert_forward_config(device, R / F, D, w_down.dtype, interpreting)
+    if config.warp_specialized:
+        from . import expert_forward_ws as ws  # Gluon: imported where it may run
+
+        if not ws.ws_fits(x_heads, w_gate, w_up, w_down):
+            if forced:
+                raise ValueError(
+                    "config.warp_specialized needs an sm_90 GPU, bf16 x and weights, D = 256 "
+                    f"and I a multiple of 64; got {x_heads.device}, {x_heads.dtype}/"
+                    f"{w_down.dtype}, D={D}, I={I}")
+            config = dataclasses.replace(config, warp_specialized=False)
     if x_heads.stride(2) != 1:
         x_heads = x_heads.contiguous()
     w_gate, w_up, w_down = w_gate.contiguous(), w_up.contiguous(), w_down.contiguous()
@@ -492,6 +510,18 @@ def triton_expert_forward(
         gather_ids.contiguous(), sorted_probs.contiguous(), offsets.contiguous())
     dot_fp32 = x_heads.dtype != w_down.dtype or w_down.dtype == torch.float32
     groups = HeadGroups(y, gather_ids, offsets, E, deterministic, "expert_forward")
+    if config.warp_specialized:
+        descs = ws.weight_descriptors(w_gate, w_up, w_down)
+        for h0, g, routes, out in groups:
+            max_tiles = triton.cdiv(routes, ws.BLOCK_M) + g * E
+            tile_expert, tile_first, total = _tile_map(offsets, h0 * E, g * E, ws.BLOCK_M,
+                                                       max_tiles, with_total=True)
+            ws.launch_ws(x_heads, gather_ids, sorted_probs, offsets, descs, out, groups.slots,
+                         tile_expert, tile_first, total, E=E, first_expert=h0 * E,
+                         first_head=h0, group_heads=g, slot_base=h0 * S * groups.K, I=I,
+                         deterministic=deterministic)
+            groups.finish(h0, g, out, interpreting)
+        return y
     block_d = triton.next_power_of_2(D)
     use_tma = config.tma and tma_fits(D, I, w_down.element_size())
     pair_delta = _pair_delta(w_gate, w_up, interpreting) if config.paired else None

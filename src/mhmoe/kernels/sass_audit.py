@@ -60,14 +60,15 @@ def toolchain() -> tuple[str, str]:
 
 
 def compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int,
-                 divisible: tuple[str, ...] = ()):
-    """Triton kernel `fn` compiled here for sm_90 (no GPU needed): the compiled kernel,
-    whose .asm["ptx"] and .metadata.shared the callers read.
+                 divisible: tuple[str, ...] = (), maxnreg: int | None = None):
+    """Triton or Gluon kernel `fn` compiled here for sm_90 (no GPU needed): the compiled
+    kernel, whose .asm["ptx"] and .metadata.shared the callers read.
 
     signature: argument name -> Triton type ("*bf16", "i32", "tensordesc<bf16[64, 32]>");
     pointers and the `divisible` integers are marked 16-divisible, as the JIT marks the
-    launchers' aligned pointers and strides."""
+    launchers' aligned pointers and strides. maxnreg: the launch's register limit."""
     from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
     from triton.runtime.jit import JITFunction
 
     if not isinstance(fn, JITFunction):
@@ -79,16 +80,19 @@ def compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int, num_stag
     sig = {**signature, **{k: "constexpr" for k in constexprs}}
     attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]]
              for k, t in sig.items() if t.startswith("*") or k in divisible}
-    return triton.compile(
-        triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
-        target=GPUTarget("cuda", 90, 32),
-        options={"num_warps": num_warps, "num_stages": num_stages})
+    source = GluonASTSource if isinstance(fn, GluonJITFunction) else triton.compiler.ASTSource
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    if maxnreg is not None:
+        options["maxnreg"] = maxnreg
+    return triton.compile(source(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def compile_sass(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int,
-                 divisible: tuple[str, ...] = ()) -> str:
-    """SASS (sm_90a) of Triton kernel `fn`; arguments as `compile_sm90`."""
-    kernel = compile_sm90(fn, signature, constexprs, num_warps, num_stages, divisible)
+                 divisible: tuple[str, ...] = (), maxnreg: int | None = None) -> str:
+    """SASS (sm_90a) of kernel `fn`; arguments as `compile_sm90`."""
+    kernel = compile_sm90(fn, signature, constexprs, num_warps, num_stages, divisible,
+                          maxnreg)
     ptxas, cuobjdump = toolchain()
     with tempfile.TemporaryDirectory() as tmp:
         ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
@@ -102,6 +106,7 @@ def compile_sass(fn, signature: dict, constexprs: dict, num_warps: int, num_stag
 
 _INSTR = re.compile(r"/\*([0-9a-f]+)\*/\s+(.*?)\s*;")
 _HGMMA_REG_A = re.compile(r"(?:@\S+\s+)?HGMMA\.\S+\s+R\d+,\s+R(\d+),")
+_ASYNC_WAIT = re.compile(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x[1-9a-f]")
 _BACK_BRANCH = re.compile(r"@!?U?P\w+\s+BRA\s+(0x[0-9a-f]+)")
 # Opcodes that write no general register (or whose first operand is not a destination).
 _NO_DEST = ("ST", "RED", "BAR", "BRA", "SYNCS", "UTMA", "WARPGROUP", "EXIT", "ISETP",
@@ -200,7 +205,8 @@ def _canary_kernel(x_desc, w_desc, out_ptr, D: tl.constexpr, BLOCK_S: tl.constex
 
 
 def _cases():
-    """(name, fn, signature, constexprs, num_warps, num_stages, divisible) of every kernel
+    """(name, fn, signature, constexprs, num_warps, num_stages, divisible, maxnreg) of every
+    kernel
     with tensor-core dots at the tiles its launcher picks on sm_90, MAGI-2's dims."""
     from ..config import MAGI2_PREVIEW as M
     from . import backward_configs, configs, expert_backward, expert_forward, routing
@@ -209,7 +215,7 @@ def _cases():
     yield ("canary (must show hazards)", _canary_kernel,
            {"x_desc": "tensordesc<bf16[128, 1, 32]>", "w_desc": "tensordesc<bf16[128, 32]>",
             "out_ptr": "*fp32"},
-           dict(D=256, BLOCK_S=128, BLOCK_N=128, BLOCK_D=32), 4, 3, ())
+           dict(D=256, BLOCK_S=128, BLOCK_N=128, BLOCK_D=32), 4, 3, (), None)
 
     c = configs.LOGITS_ROUTE_CONFIGS[HOPPER]
     bn = min(c.block_e or E, E) if c.split else E
@@ -232,7 +238,7 @@ def _cases():
                 FROM_TILE=c.from_tile, INTERPRET=False, ROUTE=not c.split,
                 COUNT_T=routing.layout_block_t(K), HALF_STORES=c.half_stores, BLOCK_N=bn,
                 SHORT=short),
-           c.num_warps, c.num_stages, ("S",))
+           c.num_warps, c.num_stages, ("S",), None)
 
     tma = expert_forward.tma_fits(D, I, 2)
     for _, f in configs._TABLES[HOPPER]:
@@ -253,7 +259,16 @@ def _cases():
                    dict(D=D, I=I, BLOCK_M=f.block_m, BLOCK_I=f.block_i, BLOCK_D=D, EVEN_D=True,
                         EVEN_I=I % f.block_i == 0, DETERMINISTIC=det, UPCAST=False,
                         DOT_FP32=False, PRECISION="tf32", USE_TMA=tma, PAIRED=f.paired),
-                   f.num_warps, f.num_stages, ("stride_xs", "stride_xh", "pair_delta"))
+                   f.num_warps, f.num_stages, ("stride_xs", "stride_xh", "pair_delta"), None)
+
+    if any(f.warp_specialized for _, f in configs._TABLES[HOPPER]):
+        from . import expert_forward_ws as ws
+
+        for det in (False, True):
+            sig, cx = ws.sm90_signature(D, I, det)
+            yield (f"expert forward ws (Gluon){' deterministic' if det else ''}",
+                   ws._expert_forward_ws_kernel, sig, cx, 4, 1,
+                   ("stride_xs", "stride_xh"), ws.MAXNREG)
 
     for _, b in backward_configs._TABLES[HOPPER]:
         x = b.dx
@@ -275,7 +290,7 @@ def _cases():
                    dict(D=D, I=I, BLOCK_M=x.block_m, BLOCK_I=x.block_i, BLOCK_D=D, EVEN_D=True,
                         EVEN_I=I % x.block_i == 0, DETERMINISTIC=False, UPCAST=False,
                         DOT_FP32=False, PRECISION="tf32", USE_TMA=tma, PANELS=panels),
-                   x.num_warps, x.num_stages, ("H",))
+                   x.num_warps, x.num_stages, ("H",), None)
         w = b.dw
         yield (f"expert dW {w.block_m}/{w.block_i}/{w.num_warps}/{w.num_stages}",
                expert_backward._expert_dw_kernel,
@@ -285,7 +300,7 @@ def _cases():
                 "dwd_ptr": "*bf16", "E": "i32"},
                dict(D=D, I=I, BLOCK_M=w.block_m, BLOCK_I=w.block_i, BLOCK_D=D, UPCAST=False,
                     DOT_FP32=False, PRECISION="tf32"),
-               w.num_warps, w.num_stages, ("H",))
+               w.num_warps, w.num_stages, ("H",), None)
         p = b.panel
         for m_dim, n_dim in ((D, I), (I, D)):
             yield (f"panel dW {m_dim}x{n_dim} {p.block_m}/{p.block_n}/{p.block_k}/"
@@ -297,18 +312,21 @@ def _cases():
                    dict(M=m_dim, N=n_dim, TILE_M=x.block_m, BLOCK_M=p.block_m,
                         BLOCK_N=p.block_n, BLOCK_K=p.block_k, UPCAST=False, DOT_FP32=False,
                         PRECISION="tf32", USE_TMA=p.tma),
-                   p.num_warps, p.num_stages, ())
+                   p.num_warps, p.num_stages, (), None)
 
 
 def audit(progress=None) -> list[dict]:
-    """One row per kernel and tile: name, HGMMAs with a register A operand, hazards."""
+    """One row per kernel and tile: name, HGMMAs with a register A operand, hazards, and
+    the waits that leave wgmma groups in flight (`WARPGROUP.DEPBAR.LE gsb0, N > 0`: none
+    where ptxas serialised every wgmma, which it does when registers run short)."""
     rows = []
-    for name, fn, sig, cx, warps, stages, divisible in _cases():
+    for name, fn, sig, cx, warps, stages, divisible, maxnreg in _cases():
         if progress:
             progress(name)
-        n_reg_a, hazards = register_a_hazards(compile_sass(fn, sig, cx, warps, stages,
-                                                           divisible))
-        rows.append({"kernel": name, "hgmma_register_a": n_reg_a, "hazards": hazards})
+        sass = compile_sass(fn, sig, cx, warps, stages, divisible, maxnreg)
+        n_reg_a, hazards = register_a_hazards(sass)
+        rows.append({"kernel": name, "hgmma_register_a": n_reg_a, "hazards": hazards,
+                     "async_waits": len(_ASYNC_WAIT.findall(sass))})
     return rows
 
 

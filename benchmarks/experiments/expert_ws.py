@@ -1,0 +1,181 @@
+"""Check and time the Gluon warp-specialised expert kernel against the Triton kernel (H200).
+
+    PYTHONPATH=src python3 benchmarks/experiments/expert_ws.py OUT.json WHAT
+
+WHAT: check, time, all (both), diag or profile.
+
+check: small problems first (partial tiles, an empty expert, one expert with most rows,
+one slice of I, several head groups), then MAGI-2 shapes at S = 4096 and 32768: the
+deterministic outputs of both kernels compared bitwise, both modes against a float64
+reference (small shapes) or against each other (MAGI-2), a CUDA graph of the new kernel
+replayed on new inputs. time: both kernels at S = 1024 ... 32768, uniform routing,
+both modes, and a bf16 matmul in the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+from triton.testing import do_bench
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import bench_expert_kernel as B
+
+from mhmoe.kernels.configs import ExpertForwardConfig, expert_forward_config
+from mhmoe.kernels.expert_forward import triton_expert_forward
+from mhmoe.reference import expert_forward_reference
+from mhmoe.routing import sort_routes
+
+WS = ExpertForwardConfig(128, 32, 8, 3, paired=True, warp_specialized=True)
+
+
+def small_case(name, S, H, E, K, I, gen, skew=False, empty=False):
+    D = 256
+    x = torch.randn(S, H, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    wg = torch.randn(H * E, D, I, device="cuda", dtype=torch.bfloat16, generator=gen) * D**-0.5
+    wu = torch.randn(H * E, D, I, device="cuda", dtype=torch.bfloat16, generator=gen) * D**-0.5
+    wd = torch.randn(H * E, I, D, device="cuda", dtype=torch.bfloat16, generator=gen) * I**-0.5
+    scores = torch.rand(H, S, E, device="cuda", generator=gen)
+    if skew:
+        scores[0, :, 0] += 2.0  # every token of head 0 on expert 0: many tiles of one expert
+    if empty:
+        scores[:, :, E - 1] -= 5.0  # the last expert of every head gets no rows
+    indices = scores.topk(K, dim=-1).indices
+    probs = torch.rand(H, S, K, device="cuda", generator=gen) + 0.1
+    lay = sort_routes(probs, indices, E)
+    ref = expert_forward_reference(x.double(), lay.gather_ids, lay.sorted_probs.double(),
+                                   lay.offsets, wg, wu, wd)
+    out = {"case": name}
+    tri = triton_expert_forward(x, *lay, wg, wu, wd, deterministic=True)
+    for det in (False, True):
+        y = triton_expert_forward(x, *lay, wg, wu, wd, deterministic=det, config=WS)
+        torch.cuda.synchronize()
+        out[f"rel_err_det{int(det)}"] = B.rel_err(y, ref)
+        if det:
+            out["det_equal_triton_det"] = bool(torch.equal(y, tri))
+    out["rel_err_triton_det"] = B.rel_err(tri, ref)
+    print(out, flush=True)
+    return out
+
+
+def check(gen):
+    res = {"small": []}
+    for args in (("partial", 300, 2, 8, 2, 192), ("one_slice", 200, 2, 4, 2, 64),
+                 ("skew_empty", 1000, 3, 16, 4, 320)):
+        kw = {"skew": args[0] == "skew_empty", "empty": args[0] == "skew_empty"}
+        res["small"].append(small_case(*args, gen, **kw))
+    wg, wu, wd = B.make_weights(gen)
+    for S in (4096, 32768):
+        x = torch.randn(S, B.H, B.D, device="cuda", dtype=torch.bfloat16, generator=gen)
+        probs, indices = B.make_routes(S, gen, skew=S == 4096)
+        lay = sort_routes(probs, indices, B.E)
+        tri = triton_expert_forward(x, *lay, wg, wu, wd, deterministic=True)
+        ws_det = triton_expert_forward(x, *lay, wg, wu, wd, deterministic=True, config=WS)
+        ws_def = triton_expert_forward(x, *lay, wg, wu, wd, config=WS)
+        r = {"S": S, "det_equal_triton_det": bool(torch.equal(ws_det, tri)),
+             "default_vs_det_rel": B.rel_err(ws_def, ws_det),
+             "no_nan": not bool(torch.isnan(ws_def).any())}
+        if S == 4096:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                yg = triton_expert_forward(x, *lay, wg, wu, wd, deterministic=True, config=WS)
+            x.copy_(torch.randn(S, B.H, B.D, device="cuda", dtype=torch.bfloat16, generator=gen))
+            g.replay()
+            torch.cuda.synchronize()
+            r["graph_new_input_equal"] = bool(torch.equal(
+                yg, triton_expert_forward(x, *lay, wg, wu, wd, deterministic=True)))
+        print(r, flush=True)
+        res[f"magi2_S{S}"] = r
+    return res
+
+
+def timing(gen):
+    wg, wu, wd = B.make_weights(gen)
+    rows = []
+    for S in (1024, 4096, 16384, 32768):
+        x = torch.randn(S, B.H, B.D, device="cuda", dtype=torch.bfloat16, generator=gen)
+        probs, indices = B.make_routes(S, gen, skew=False)
+        lay = sort_routes(probs, indices, B.E)
+        tri_cfg = expert_forward_config(x.device, lay.gather_ids.numel() / (B.H * B.E), B.D,
+                                        wd.dtype)
+        tri_cfg = ExpertForwardConfig(tri_cfg.block_m, tri_cfg.block_i, tri_cfg.num_warps,
+                                      tri_cfg.num_stages, tri_cfg.tma, tri_cfg.paired)
+        for name, cfg in (("triton", tri_cfg), ("ws", WS)):
+            for det in (False, True):
+                def fn(cfg=cfg, det=det, x=x, lay=lay):
+                    return triton_expert_forward(x, *lay, wg, wu, wd, deterministic=det,
+                                                 config=cfg)
+                fn()
+                t = do_bench(fn, warmup=30, rep=300, return_mode="median")
+                row = {"S": S, "kernel": name, "det": det, "ms": t,
+                       "tflops": B.flops(S) / t / 1e9}
+                rows.append(row)
+                print(row, flush=True)
+    return rows
+
+
+def diag(gen):
+    """Timing diagnostics at S = 16384 and 32768: DIAG 1 (no weight bytes move) and 2 (no
+    wgmma) beside the real kernel (DIAG 0); their outputs are wrong by design."""
+    import functools
+
+    from mhmoe.kernels import expert_forward_ws as ws
+
+    launch = ws.launch_ws
+    wg, wu, wd = B.make_weights(gen)
+    rows = []
+    for S in (16384, 32768):
+        x = torch.randn(S, B.H, B.D, device="cuda", dtype=torch.bfloat16, generator=gen)
+        probs, indices = B.make_routes(S, gen, skew=False)
+        lay = sort_routes(probs, indices, B.E)
+        for d in (0, 1, 2):
+            ws.launch_ws = functools.partial(launch, diag=d)
+            for det in (False, True):
+                def fn(det=det, x=x, lay=lay):
+                    return triton_expert_forward(x, *lay, wg, wu, wd, deterministic=det,
+                                                 config=WS)
+                fn()
+                t = do_bench(fn, warmup=20, rep=200, return_mode="median")
+                row = {"S": S, "diag": d, "det": det, "ms": t, "tflops": B.flops(S) / t / 1e9}
+                rows.append(row)
+                print(row, flush=True)
+    ws.launch_ws = launch
+    return rows
+
+
+def profile_once(gen):
+    """One deterministic call at S = 32768 (for ncu -k _expert_forward_ws_kernel -c 1)."""
+    wg, wu, wd = B.make_weights(gen)
+    S = 32768
+    x = torch.randn(S, B.H, B.D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    probs, indices = B.make_routes(S, gen, skew=False)
+    lay = sort_routes(probs, indices, B.E)
+    triton_expert_forward(x, *lay, wg, wu, wd, deterministic=True, config=WS)
+    torch.cuda.synchronize()
+
+
+def main():
+    out_path, what = sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "all"
+    gen = torch.Generator(device="cuda").manual_seed(4321)
+    res = {"gpu": torch.cuda.get_device_name()}
+    if what in ("check", "all"):
+        res["check"] = check(gen)
+    if what == "profile":
+        profile_once(gen)
+        return
+    if what == "diag":
+        res["diag"] = diag(gen)
+    if what in ("time", "all"):
+        res["ceilings"] = B.ceilings()
+        print(res["ceilings"], flush=True)
+        res["rows"] = timing(gen)
+    with open(out_path, "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

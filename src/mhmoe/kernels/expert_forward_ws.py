@@ -1,0 +1,407 @@
+"""Fused expert MLP forward for Hopper (sm_90) in Gluon, with explicit warp specialisation.
+
+The same computation, tile map and combine as `expert_forward._expert_forward_kernel`
+(see there), scheduled by hand where Triton 3.6 serialises it: in Triton each
+warpgroup issues its gate|up wgmma, waits, runs the SwiGLU on the special-function
+units and only then issues the down wgmma, so the tensor cores idle for every SwiGLU
+(benchmarks/NOTES.md, "Session 2"), and Triton's own warp specialisation does not apply
+to that loop on sm_90.
+
+One persistent program an SM walks tiles of 128 routes of one flat expert (the tile map
+of `expert_forward._tile_map`). Four partitions:
+
+- two MMA warpgroups, each owning 64 of the tile's 128 rows (its x half in shared
+  memory). Per slice j of I (64 columns) a warpgroup runs one "block" of wgmmas:
+  acc += a(j-1) @ W_down[j-1] (two N=128 halves of D, a from registers), then
+  gu = x @ [W_gate[:, j] | W_up[:, j]] (one N=128 accumulator over four K=64 chunks);
+  then its SwiGLU turns gu into a(j). The two warpgroups take turns (a pair of
+  mbarriers): one's SwiGLU runs while the other's block keeps the tensor cores busy
+  (the ping-pong schedule of CUTLASS's Hopper kernels).
+- a weight loader warp: bulk tensor copies (TMA) of [64, 64] boxes into a ring of
+  NSTAGE stages of [64, 128] bf16, in the order the blocks consume them (per slice:
+  four gate|up chunks, each the gate and up boxes side by side; two down chunks, each
+  two boxes of D). Both warpgroups read every stage; it is free when both released it.
+- an x loader warp: gathers the next tile's x rows (cp.async, rows past the expert's
+  end zero-filled) into a warpgroup's half as soon as that warpgroup's last gate|up
+  wgmma of the current tile has retired.
+
+Numerics are those of the Triton kernel: every gate, up and down sum is accumulated by
+wgmma in the same K order (16 at a time, ascending), the SwiGLU is the same code, the
+probability scaling and the combine are the same. So the deterministic mode gives the
+same bits as the Triton kernel's deterministic mode.
+
+Shapes it takes (`ws_fits`): bf16 x and weights, D = 256, I a multiple of 64, sm_90.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+BLOCK_M = 128  # routes a tile; 64 a warpgroup
+BOX = 64  # TMA boxes are [64, 64] bf16 (128-byte rows: the widest swizzled box)
+NSTAGE = 10  # ring stages of [64, 128] bf16 (16 KB): 160 KB, beside the 64 KB x tile
+# Registers a thread: each MMA warpgroup holds its [64, 256] fp32 accumulator (128),
+# the [64, 128] gate|up accumulator (64) and a(j) (16); the loaders need few. The kernel
+# runs 12 warps (the loaders' two round up to a warpgroup) of MAXNREG registers, which
+# fill the SM's 64K: the loaders' warpgroup gives back what the MMA warpgroups take.
+MMA_REGS, LOAD_REGS = gl.constexpr(240), gl.constexpr(24)
+MAXNREG = 168
+
+
+@gluon.jit
+def _tile_rows0(t, tile_expert_ptr, tile_first_ptr, offsets_ptr, first_expert):
+    """Tile t of the map: (flat expert f, first row of the tile, end of f's rows)."""
+    e = gl.load(tile_expert_ptr + t)
+    block = t - gl.load(tile_first_ptr + e)
+    f = first_expert + e
+    end = gl.load(offsets_ptr + f + 1)
+    row0 = gl.load(offsets_ptr + f) + block * 128
+    return f, row0, end
+
+
+@gluon.jit
+def _load_stage(desc_a, at_a, desc_b, at_b, stages, ready, empty, n, NSTAGE: gl.constexpr,
+                DIAG: gl.constexpr):
+    """Ring stage n (once both warpgroups released its last use): box at_a of desc_a into
+    its columns 0-63, box at_b of desc_b into columns 64-127."""
+    slot = n % NSTAGE
+    mbarrier.wait(empty.index(slot), ((n // NSTAGE) & 1) ^ 1)
+    bar = ready.index(slot)
+    st = stages.index(slot)
+    if DIAG == 1:
+        mbarrier.arrive(bar, count=1)
+    else:
+        mbarrier.expect(bar, desc_a.block_type.nbytes + desc_b.block_type.nbytes)
+        tma.async_copy_global_to_shared(desc_a, at_a, bar, st.slice(0, 64, dim=1))
+        tma.async_copy_global_to_shared(desc_b, at_b, bar, st.slice(64, 64, dim=1))
+
+
+@gluon.jit
+def _w_loader(wg_desc, wu_desc, wd_desc, stages, ready, empty, tile_expert_ptr,
+              tile_first_ptr, ntiles_ptr, first_expert, D: gl.constexpr, I: gl.constexpr,
+              NSTAGE: gl.constexpr, DIAG: gl.constexpr):
+    """The weight chunks of every tile of this program, in consumption order: per
+    slice j, gate|up chunks over D (rows c*64 of W_gate[f] and W_up[f], columns
+    j*64), then W_down[f]'s rows j*64 in two chunks of 128 columns."""
+    num_tiles = gl.load(ntiles_ptr)
+    n = 0
+    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        f = first_expert + gl.load(tile_expert_ptr + t)
+        for j in range(I // 64):
+            for c in gl.static_range(D // 64):
+                _load_stage(wg_desc, [f * D + c * 64, j * 64], wu_desc,
+                            [f * D + c * 64, j * 64], stages, ready, empty, n, NSTAGE, DIAG)
+                n += 1
+            for h in gl.static_range(D // 128):
+                _load_stage(wd_desc, [f * I + j * 64, h * 128], wd_desc,
+                            [f * I + j * 64, h * 128 + 64], stages, ready, empty, n, NSTAGE,
+                            DIAG)
+                n += 1
+
+
+@gluon.jit
+def _x_loader(x_ptr, stride_xs, stride_xh, gather_ids_ptr, xs, x_ready, x_empty,
+              tile_expert_ptr, tile_first_ptr, offsets_ptr, ntiles_ptr, first_expert,
+              E, D: gl.constexpr):
+    """x rows of each tile into the warpgroups' halves (cp.async, 16 rows at a time;
+    rows past the expert's end zero-filled)."""
+    CH: gl.constexpr = 16
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0])
+    r = gl.arange(0, CH, layout=gl.SliceLayout(1, layout))
+    d = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
+    num_tiles = gl.load(ntiles_ptr)
+    k = 0
+    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        f, row0, end = _tile_rows0(t, tile_expert_ptr, tile_first_ptr, offsets_ptr,
+                                   first_expert)
+        xh = x_ptr + (f // E) * stride_xh
+        for w in gl.static_range(2):
+            # The half is free once its warpgroup's last gate|up wgmma of the previous
+            # tile retired (mbarriers start with phase 1 complete).
+            mbarrier.wait(x_empty.index(w), (k & 1) ^ 1)
+            for c in gl.static_range(64 // CH):
+                rows = row0 + w * 64 + c * CH + r
+                ok = rows < end
+                tok = gl.load(gather_ids_ptr + rows, mask=ok, other=0).to(gl.int64)
+                async_copy.async_copy_global_to_shared(
+                    xs.index(w).slice(c * CH, CH, dim=0),
+                    xh + tok[:, None] * stride_xs + d[None, :], mask=ok[:, None])
+            async_copy.mbarrier_arrive(x_ready.index(w), increment_count=False)
+        k += 1
+
+
+@gluon.jit
+def _mma(DIAG: gl.constexpr, a, b, acc, use_acc=True, is_async=True):
+    """warpgroup_mma, or (DIAG == 2, a timing diagnostic) nothing."""
+    if DIAG == 2:
+        return acc
+    else:
+        return warpgroup_mma(a, b, acc, use_acc=use_acc, is_async=is_async)
+
+
+@gluon.jit
+def _release(empty, n, NSTAGE: gl.constexpr):
+    mbarrier.arrive(empty.index(n % NSTAGE), count=1)
+
+
+@gluon.jit
+def _wait_stage(stages, ready, n, NSTAGE: gl.constexpr):
+    slot = n % NSTAGE
+    mbarrier.wait(ready.index(slot), (n // NSTAGE) & 1)
+    return stages.index(slot)
+
+
+@gluon.jit
+def _gate_up_rest(xh, stages, ready, empty, gu, n, D: gl.constexpr, NSTAGE: gl.constexpr,
+                  DIAG: gl.constexpr):
+    """Chunks 1 .. D/64 - 1 of gu = x_half @ [W_gate | W_up] from stages n + 1 ... (chunk
+    0, from stage n, is in flight). Keeps one wgmma in flight and releases each stage
+    once its wgmma retired; returns (gu in flight, its last stage, still held)."""
+    for c in gl.static_range(1, D // 64):
+        st = _wait_stage(stages, ready, n + c, NSTAGE)
+        gu = _mma(DIAG, xh.slice(c * 64, 64, dim=1), st, gu, is_async=True)
+        gu = warpgroup_mma_wait(num_outstanding=1, deps=(gu,))
+        _release(empty, n + c - 1, NSTAGE)
+    return gu, n + D // 64 - 1
+
+
+@gluon.jit
+def _swiglu7(gu, a_layout: gl.constexpr):
+    """a = swiglu7(g, u) in bf16, the wgmma A operand of the down product. In the
+    accumulator layout a thread holds columns j and j + 64 alike, so the split of the
+    [64, 128] gate|up accumulator stays in registers."""
+    g, u = gu.reshape([64, 2, 64]).permute((0, 2, 1)).split()
+    g = gl.minimum(g, 7.0)
+    u = gl.minimum(gl.maximum(u, -7.0), 7.0)
+    # As in the Triton kernel: g * sigmoid(1.702 g) with one ex2 and the fast reciprocal.
+    a = gl.fdiv(g, 1.0 + gl.exp2(-2.4554669595930157 * g)) * (u + 1.0)
+    return gl.convert_layout(a.to(gl.bfloat16), a_layout)
+
+
+@gluon.jit
+def _combine_half(ptrs, part, row_ok, DETERMINISTIC: gl.constexpr):
+    """Deterministic: a plain store to each route's slot; else fp32 atomic adds."""
+    if DETERMINISTIC:
+        gl.store(ptrs, part, mask=row_ok[:, None])
+    else:
+        gl.atomic_add(ptrs, part, mask=row_ok[:, None], sem="relaxed")
+
+
+@gluon.jit
+def _mma_partition(W: gl.constexpr, xs, stages, ready, empty, x_ready, x_empty, turn,
+                   tile_expert_ptr, tile_first_ptr, offsets_ptr, ntiles_ptr, gather_ids_ptr,
+                   probs_ptr, out_ptr, slot_ptr, E, first_expert, first_head, group_heads,
+                   slot_base, D: gl.constexpr, I: gl.constexpr, NSTAGE: gl.constexpr,
+                   DETERMINISTIC: gl.constexpr, DIAG: gl.constexpr):
+    """Rows W*64 .. W*64+63 of every tile of this program: the MLP of each route, scaled
+    by its probability, combined as `expert_forward._combine_rows`."""
+    NI: gl.constexpr = I // 64
+    gu_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 16])
+    g_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=g_layout, k_width=2)
+    rows_layout: gl.constexpr = gl.SliceLayout(1, gu_layout)
+    cols = gl.arange(0, 128, layout=gl.SliceLayout(0, gu_layout))
+    xh = xs.index(W)
+    num_tiles = gl.load(ntiles_ptr)
+    n = 0  # stages taken from the ring
+    blk = 0  # blocks run (turns taken)
+    k = 0  # tiles run
+    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        f, row0, end = _tile_rows0(t, tile_expert_ptr, tile_first_ptr, offsets_ptr,
+                                   first_expert)
+        mbarrier.wait(x_ready.index(W), k & 1)
+        # The cp.async writes reach the wgmma (async proxy) through this fence.
+        fence_async_shared()
+
+        # Block 0: gate|up of slice 0. Warpgroup 0 takes the first turn of all (its
+        # barrier starts with phase 1 complete); then the two alternate.
+        mbarrier.wait(turn.index(W), (blk & 1) ^ (1 - W))
+        st = _wait_stage(stages, ready, n, NSTAGE)
+        gu = _mma(DIAG, xh.slice(0, 64, dim=1), st,
+                               gl.zeros([64, 128], gl.float32, gu_layout), use_acc=False,
+                               is_async=True)
+        gu, held = _gate_up_rest(xh, stages, ready, empty, gu, n, D, NSTAGE, DIAG)
+        n += D // 64
+        mbarrier.arrive(turn.index(1 - W), count=1)
+        gu = warpgroup_mma_wait(num_outstanding=0, deps=(gu,))
+        _release(empty, held, NSTAGE)
+        blk += 1
+        a = _swiglu7(gu, a_layout)
+        acc_lo = gl.zeros([64, 128], gl.float32, gu_layout)
+        acc_hi = gl.zeros([64, 128], gl.float32, gu_layout)
+
+        for j in range(1, NI):
+            # Block j: the down product of slice j-1, then gate|up of slice j.
+            mbarrier.wait(turn.index(W), (blk & 1) ^ (1 - W))
+            st = _wait_stage(stages, ready, n, NSTAGE)
+            acc_lo = _mma(DIAG, a, st, acc_lo, is_async=True)
+            st = _wait_stage(stages, ready, n + 1, NSTAGE)
+            acc_hi = _mma(DIAG, a, st, acc_hi, is_async=True)
+            st = _wait_stage(stages, ready, n + 2, NSTAGE)
+            gu = _mma(DIAG, xh.slice(0, 64, dim=1), st,
+                               gl.zeros([64, 128], gl.float32, gu_layout), use_acc=False,
+                               is_async=True)
+            # The down wgmmas retired (a, their A operand, is free after this).
+            acc_lo, acc_hi, a = warpgroup_mma_wait(num_outstanding=1, deps=(acc_lo, acc_hi, a))
+            _release(empty, n, NSTAGE)
+            _release(empty, n + 1, NSTAGE)
+            gu, held = _gate_up_rest(xh, stages, ready, empty, gu, n + 2, D, NSTAGE,
+                                       DIAG)
+            n += 2 + D // 64
+            mbarrier.arrive(turn.index(1 - W), count=1)
+            gu, acc_lo, acc_hi = warpgroup_mma_wait(num_outstanding=0, deps=(gu, acc_lo, acc_hi))
+            _release(empty, held, NSTAGE)
+            if j == NI - 1:
+                mbarrier.arrive(x_empty.index(W), count=1)
+            blk += 1
+            a = _swiglu7(gu, a_layout)
+        if NI == 1:
+            mbarrier.arrive(x_empty.index(W), count=1)
+
+        # The last block: the down product of the last slice.
+        mbarrier.wait(turn.index(W), (blk & 1) ^ (1 - W))
+        st = _wait_stage(stages, ready, n, NSTAGE)
+        acc_lo = _mma(DIAG, a, st, acc_lo, is_async=True)
+        st = _wait_stage(stages, ready, n + 1, NSTAGE)
+        acc_hi = _mma(DIAG, a, st, acc_hi, is_async=True)
+        mbarrier.arrive(turn.index(1 - W), count=1)
+        acc_lo, acc_hi = warpgroup_mma_wait(num_outstanding=0, deps=(acc_lo, acc_hi))
+        _release(empty, n, NSTAGE)
+        _release(empty, n + 1, NSTAGE)
+        n += 2
+        blk += 1
+        k += 1
+
+        rows = row0 + W * 64 + gl.arange(0, 64, layout=rows_layout)
+        row_ok = rows < end
+        prob = gl.load(probs_ptr + rows, mask=row_ok, other=0.0).to(gl.float32)
+        if DETERMINISTIC:
+            dst = gl.load(slot_ptr + rows, mask=row_ok, other=0) - slot_base
+        else:
+            tok = gl.load(gather_ids_ptr + rows, mask=row_ok, other=0).to(gl.int64)
+            dst = tok * group_heads + (f // E - first_head)
+        base = out_ptr + dst[:, None] * D + cols[None, :]
+        _combine_half(base, acc_lo * prob[:, None], row_ok, DETERMINISTIC)
+        _combine_half(base + 128, acc_hi * prob[:, None], row_ok, DETERMINISTIC)
+
+
+@gluon.jit
+def _expert_forward_ws_kernel(
+    x_ptr, stride_xs, stride_xh,  # x_heads [S, H, D], unit stride along D
+    gather_ids_ptr, probs_ptr, offsets_ptr,  # the RouteLayout: [R], [R], [H*E + 1]
+    tile_expert_ptr, tile_first_ptr, ntiles_ptr,  # the tile map; ntiles: [1] int32
+    wg_desc, wu_desc, wd_desc,  # [H*E*D, I], [H*E*D, I], [H*E*I, D]; [64, 64] boxes
+    out_ptr, slot_ptr,  # default: fp32 [S, G, D]; deterministic: fp32 [G*S*K, D], slots [R]
+    E, first_expert, first_head, group_heads, slot_base,
+    D: gl.constexpr, I: gl.constexpr, NSTAGE: gl.constexpr, DETERMINISTIC: gl.constexpr,
+    DIAG: gl.constexpr = 0,
+):
+    """Expert MLPs of the tiles of a head group (see the module docstring).
+
+    Launch grid: (programs,), persistent: program p takes tiles p, p + programs, ...
+    below ntiles[0] (the tile map's real tiles). 4 warps (the default partition is
+    MMA warpgroup 0) plus the workers. DIAG (timing diagnostics, wrong results): 1, the
+    weight loader moves no bytes; 2, the MMA warpgroups issue no wgmma.
+    """
+    xs = gl.allocate_shared_memory(gl.bfloat16, [2, 64, D],
+                                   gl.NVMMASharedLayout.get_default_for([64, D], gl.bfloat16))
+    stages = gl.allocate_shared_memory(gl.bfloat16, [NSTAGE, 64, 128],
+                                       gl.NVMMASharedLayout.get_default_for([64, 128],
+                                                                            gl.bfloat16))
+    ready = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], mbarrier.MBarrierLayout())
+    x_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    x_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(NSTAGE):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=2)  # both warpgroups read every stage
+    for w in gl.static_range(2):
+        mbarrier.init(x_ready.index(w), count=32)  # the x loader warp's 32 threads
+        mbarrier.init(x_empty.index(w), count=1)
+        mbarrier.init(turn.index(w), count=1)
+    gl.warp_specialize([
+        (_mma_partition, (0, xs, stages, ready, empty, x_ready, x_empty, turn, tile_expert_ptr,
+                          tile_first_ptr, offsets_ptr, ntiles_ptr, gather_ids_ptr, probs_ptr,
+                          out_ptr, slot_ptr, E, first_expert, first_head, group_heads,
+                          slot_base, D, I, NSTAGE, DETERMINISTIC, DIAG)),
+        (_mma_partition, (1, xs, stages, ready, empty, x_ready, x_empty, turn, tile_expert_ptr,
+                          tile_first_ptr, offsets_ptr, ntiles_ptr, gather_ids_ptr, probs_ptr,
+                          out_ptr, slot_ptr, E, first_expert, first_head, group_heads,
+                          slot_base, D, I, NSTAGE, DETERMINISTIC, DIAG)),
+        (_w_loader, (wg_desc, wu_desc, wd_desc, stages, ready, empty, tile_expert_ptr,
+                     tile_first_ptr, ntiles_ptr, first_expert, D, I, NSTAGE, DIAG)),
+        (_x_loader, (x_ptr, stride_xs, stride_xh, gather_ids_ptr, xs, x_ready, x_empty,
+                     tile_expert_ptr, tile_first_ptr, offsets_ptr, ntiles_ptr, first_expert,
+                     E, D)),
+    ], [4, 1, 1], [MMA_REGS, LOAD_REGS, LOAD_REGS])
+
+
+def ws_fits(x_heads: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+            w_down: torch.Tensor) -> bool:
+    """Whether this kernel takes the shapes and dtypes: bf16 throughout, D = 256,
+    I a multiple of 64, on an sm_90 GPU."""
+    D, I = w_gate.shape[1], w_gate.shape[2]
+    return (x_heads.is_cuda and torch.cuda.get_device_capability(x_heads.device) == (9, 0)
+            and all(t.dtype == torch.bfloat16 for t in (x_heads, w_gate, w_up, w_down))
+            and D == 256 and I % 64 == 0 and I > 0)
+
+
+def weight_descriptors(w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor):
+    """Descriptors of W_gate, W_up as [F*D, I] and W_down as [F*I, D] with [64, 64] boxes
+    (contiguous weights)."""
+    layout = gl.NVMMASharedLayout.get_default_for([BOX, BOX], gl.bfloat16)
+    F, D, I = w_gate.shape
+
+    def desc(t, rows, cols):
+        return TensorDescriptor.from_tensor(t.view(rows, cols), [BOX, BOX], layout)
+
+    return desc(w_gate, F * D, I), desc(w_up, F * D, I), desc(w_down, F * I, D)
+
+
+def sm90_signature(D: int, I: int, deterministic: bool) -> tuple[dict, dict]:
+    """(signature, constexprs) of `_expert_forward_ws_kernel` as its launcher calls it,
+    for compiling it without a GPU (`sass_audit`)."""
+    from triton.runtime.jit import mangle_type
+
+    w = torch.empty(2, D, I, dtype=torch.bfloat16)
+    descs = weight_descriptors(w, w, torch.empty(2, I, D, dtype=torch.bfloat16))
+    sig = {"x_ptr": "*bf16", "stride_xs": "i32", "stride_xh": "i32", "gather_ids_ptr": "*i32",
+           "probs_ptr": "*fp32", "offsets_ptr": "*i64", "tile_expert_ptr": "*i32",
+           "tile_first_ptr": "*i32", "ntiles_ptr": "*i32",
+           **{k: mangle_type(d) for k, d in zip(("wg_desc", "wu_desc", "wd_desc"), descs,
+                                                strict=True)},
+           "out_ptr": "*fp32", "slot_ptr": "*i64", "E": "i32", "first_expert": "i32",
+           "first_head": "i32", "group_heads": "i32", "slot_base": "i32"}
+    return sig, dict(D=D, I=I, NSTAGE=NSTAGE, DETERMINISTIC=deterministic, DIAG=0)
+
+
+def launch_ws(x_heads, gather_ids, sorted_probs, offsets, descs, out, slots, tile_expert,
+              tile_first, num_tiles, *, E: int, first_expert: int, first_head: int,
+              group_heads: int, slot_base: int, I: int, deterministic: bool,
+              programs: int | None = None, diag: int = 0) -> None:
+    """One launch of `_expert_forward_ws_kernel` for a head group (the launcher of
+    expert_forward.py prepares the tile map, the descriptors and `out`)."""
+    if programs is None:
+        programs = torch.cuda.get_device_properties(x_heads.device).multi_processor_count
+    programs = max(1, min(programs, tile_expert.numel()))
+    _expert_forward_ws_kernel[(programs,)](
+        x_heads, x_heads.stride(0), x_heads.stride(1), gather_ids, sorted_probs, offsets,
+        tile_expert, tile_first, num_tiles, *descs, out, slots,
+        E, first_expert, first_head, group_heads, slot_base,
+        D=256, I=I, NSTAGE=NSTAGE, DETERMINISTIC=deterministic, DIAG=diag,
+        num_warps=4, maxnreg=MAXNREG,
+    )
