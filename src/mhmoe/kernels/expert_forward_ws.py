@@ -163,6 +163,25 @@ def _wait_stage(stages, ready, n, NSTAGE: gl.constexpr):
 
 
 @gluon.jit
+def _gate_up_first(xh, stages, ready, n, NSTAGE: gl.constexpr, DIAG: gl.constexpr,
+                   gu_layout: gl.constexpr):
+    """Issues chunk 0 of gu = x_half @ [W_gate | W_up] from stage n (a fresh accumulator)."""
+    st = _wait_stage(stages, ready, n, NSTAGE)
+    return _mma(DIAG, xh.slice(0, 64, dim=1), st, gl.zeros([64, 128], gl.float32, gu_layout),
+                use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _down(a, stages, ready, n, acc_lo, acc_hi, NSTAGE: gl.constexpr, DIAG: gl.constexpr):
+    """Issues acc += a @ W_down slice: its two halves of D from stages n and n + 1."""
+    st = _wait_stage(stages, ready, n, NSTAGE)
+    acc_lo = _mma(DIAG, a, st, acc_lo, is_async=True)
+    st = _wait_stage(stages, ready, n + 1, NSTAGE)
+    acc_hi = _mma(DIAG, a, st, acc_hi, is_async=True)
+    return acc_lo, acc_hi
+
+
+@gluon.jit
 def _gate_up_rest(xh, stages, ready, empty, gu, n, D: gl.constexpr, NSTAGE: gl.constexpr,
                   DIAG: gl.constexpr):
     """Chunks 1 .. D/64 - 1 of gu = x_half @ [W_gate | W_up] from stages n + 1 ... (chunk
@@ -229,10 +248,7 @@ def _mma_partition(W: gl.constexpr, xs, stages, ready, empty, x_ready, x_empty, 
         # Block 0: gate|up of slice 0. Warpgroup 0 takes the first turn of all (its
         # barrier starts with phase 1 complete); then the two alternate.
         mbarrier.wait(turn.index(W), (blk & 1) ^ (1 - W))
-        st = _wait_stage(stages, ready, n, NSTAGE)
-        gu = _mma(DIAG, xh.slice(0, 64, dim=1), st,
-                               gl.zeros([64, 128], gl.float32, gu_layout), use_acc=False,
-                               is_async=True)
+        gu = _gate_up_first(xh, stages, ready, n, NSTAGE, DIAG, gu_layout)
         gu, held = _gate_up_rest(xh, stages, ready, empty, gu, n, D, NSTAGE, DIAG)
         n += D // 64
         mbarrier.arrive(turn.index(1 - W), count=1)
@@ -246,20 +262,13 @@ def _mma_partition(W: gl.constexpr, xs, stages, ready, empty, x_ready, x_empty, 
         for j in range(1, NI):
             # Block j: the down product of slice j-1, then gate|up of slice j.
             mbarrier.wait(turn.index(W), (blk & 1) ^ (1 - W))
-            st = _wait_stage(stages, ready, n, NSTAGE)
-            acc_lo = _mma(DIAG, a, st, acc_lo, is_async=True)
-            st = _wait_stage(stages, ready, n + 1, NSTAGE)
-            acc_hi = _mma(DIAG, a, st, acc_hi, is_async=True)
-            st = _wait_stage(stages, ready, n + 2, NSTAGE)
-            gu = _mma(DIAG, xh.slice(0, 64, dim=1), st,
-                               gl.zeros([64, 128], gl.float32, gu_layout), use_acc=False,
-                               is_async=True)
+            acc_lo, acc_hi = _down(a, stages, ready, n, acc_lo, acc_hi, NSTAGE, DIAG)
+            gu = _gate_up_first(xh, stages, ready, n + 2, NSTAGE, DIAG, gu_layout)
             # The down wgmmas retired (a, their A operand, is free after this).
             acc_lo, acc_hi, a = warpgroup_mma_wait(num_outstanding=1, deps=(acc_lo, acc_hi, a))
             _release(empty, n, NSTAGE)
             _release(empty, n + 1, NSTAGE)
-            gu, held = _gate_up_rest(xh, stages, ready, empty, gu, n + 2, D, NSTAGE,
-                                       DIAG)
+            gu, held = _gate_up_rest(xh, stages, ready, empty, gu, n + 2, D, NSTAGE, DIAG)
             n += 2 + D // 64
             mbarrier.arrive(turn.index(1 - W), count=1)
             gu, acc_lo, acc_hi = warpgroup_mma_wait(num_outstanding=0, deps=(gu, acc_lo, acc_hi))
@@ -273,10 +282,7 @@ def _mma_partition(W: gl.constexpr, xs, stages, ready, empty, x_ready, x_empty, 
 
         # The last block: the down product of the last slice.
         mbarrier.wait(turn.index(W), (blk & 1) ^ (1 - W))
-        st = _wait_stage(stages, ready, n, NSTAGE)
-        acc_lo = _mma(DIAG, a, st, acc_lo, is_async=True)
-        st = _wait_stage(stages, ready, n + 1, NSTAGE)
-        acc_hi = _mma(DIAG, a, st, acc_hi, is_async=True)
+        acc_lo, acc_hi = _down(a, stages, ready, n, acc_lo, acc_hi, NSTAGE, DIAG)
         mbarrier.arrive(turn.index(1 - W), count=1)
         acc_lo, acc_hi = warpgroup_mma_wait(num_outstanding=0, deps=(acc_lo, acc_hi))
         _release(empty, n, NSTAGE)
