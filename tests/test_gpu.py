@@ -359,11 +359,16 @@ def test_expert_kernels_repeatable_at_full_size(magi2_layer):
     (1000, 3, 16, 4, 320, "every head-0 token on expert 0, the last experts empty", None),
     (512, 4, 8, 2, 128, "a head a launch (small workspaces)", 512 * 256 * 4),
     (4096, 12, 256, 6, 1280, "MAGI-2's expert shapes", None),
+    (2048, 2, 8, 6, 256, "many tiles an expert (the cluster variant's multicast pairs)",
+     None),
 ])
-def test_gluon_expert_forward_equals_triton(S, H, E, K, I, edge, group_bytes, monkeypatch):
+@pytest.mark.parametrize("cluster", [1, 2])
+def test_gluon_expert_forward_equals_triton(S, H, E, K, I, edge, group_bytes, cluster,
+                                            monkeypatch):
     # The warp-specialised Gluon kernel accumulates every sum in the Triton kernel's order:
     # the deterministic modes agree bitwise; the default mode (atomic adds) within
-    # rounding; both against float64 as well as PyTorch's fp32 math.
+    # rounding; both against float64 as well as PyTorch's fp32 math. cluster=2: its
+    # variant in clusters of two CTAs sharing weight stages by multicast (forward v6).
     import dataclasses as dc
 
     import mhmoe.kernels.expert_forward as ef
@@ -386,8 +391,8 @@ def test_gluon_expert_forward_equals_triton(S, H, E, K, I, edge, group_bytes, mo
     layout = mhmoe.sort_routes(probs, scores.topk(K, dim=-1).indices, E)
     rows = layout.gather_ids.numel() / (H * E)
     triton_cfg = ef.expert_forward_config(x.device, rows, D, wd.dtype)
-    ws_cfg = dc.replace(triton_cfg, warp_specialized=True)
-    triton_cfg = dc.replace(triton_cfg, warp_specialized=False)
+    ws_cfg = dc.replace(triton_cfg, warp_specialized=True, cluster=cluster)
+    triton_cfg = dc.replace(triton_cfg, warp_specialized=False, cluster=1)
     tri = ef.triton_expert_forward(x, *layout, wg, wu, wd, deterministic=True, config=triton_cfg)
     ws_det = ef.triton_expert_forward(x, *layout, wg, wu, wd, deterministic=True, config=ws_cfg)
     ws = ef.triton_expert_forward(x, *layout, wg, wu, wd, config=ws_cfg)

@@ -146,11 +146,15 @@ def test_pointer_path_forced(rng):
 
 @pytest.mark.parametrize("D", [32, 256])  # 256: wider than one block of the slot-sum kernel
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_head_groups(rng, monkeypatch, deterministic, D):
-    # Workspace limits smaller than one head's buffer: one launch per head.
-    monkeypatch.setattr(ef, "DEFAULT_WORKSPACE_BYTES", 1)
-    monkeypatch.setattr(ef, "DETERMINISTIC_WORKSPACE_BYTES", 1)
-    check(rng, 5, 3, 3, 2, D, 16, deterministic=deterministic)
+@pytest.mark.parametrize("heads", [1, 2])
+def test_head_groups(rng, monkeypatch, deterministic, D, heads):
+    # Workspace limits of `heads` heads' buffers (1: below one head's): launches over
+    # groups of that many of the 3 heads (2: a group of 2, then one of 1).
+    S, K = 5, 2
+    monkeypatch.setattr(ef, "DEFAULT_WORKSPACE_BYTES", 1 if heads == 1 else heads * S * D * 4)
+    monkeypatch.setattr(ef, "DETERMINISTIC_WORKSPACE_BYTES",
+                        1 if heads == 1 else heads * S * K * D * 4)
+    check(rng, S, 3, 3, K, D, 16, deterministic=deterministic)
 
 
 def test_deterministic_bitwise(rng):
@@ -191,11 +195,15 @@ def test_hopper_table():
     # MAGI-2 rows per expert (S*K/E) at S = 1024, 4096, 16384, 32768: streaming
     # sizes keep the bulk copies for gate/up, compute-bound ones pair them.
     # Above 40 rows the Gluon kernel runs where it takes the shapes; the Triton tiles
-    # beside it serve the others.
+    # beside it serve the others. Its cluster variant from 577 rows on.
     picks = [configs.pick(configs._HOPPER, rows) for rows in (24.0, 96.0, 384.0, 768.0)]
-    assert [(c.block_m, c.paired, c.warp_specialized) for c in picks] == [
-        (64, False, False), (128, False, True), (128, True, True), (128, True, True)]
+    assert [(c.block_m, c.paired, c.warp_specialized, c.cluster) for c in picks] == [
+        (64, False, False, 1), (128, False, True, 1), (128, True, True, 1), (128, True, True, 2)]
     assert step_down(picks[-1]).paired  # shrinking keeps the choice
+    with pytest.raises(ValueError, match="cluster"):
+        ExpertForwardConfig(128, 32, 8, 3, cluster=2)  # clusters are the Gluon kernel's
+    with pytest.raises(ValueError, match="cluster"):
+        ExpertForwardConfig(128, 32, 8, 3, warp_specialized=True, cluster=4)
 
 
 def test_forced_warp_specialized_refuses_shapes_it_does_not_take(rng):
@@ -207,11 +215,13 @@ def test_forced_warp_specialized_refuses_shapes_it_does_not_take(rng):
         run(*problem, config=cfg)
 
 
-def test_default_table_falls_back_to_triton_tiles_where_gluon_does_not_fit(rng, monkeypatch):
+@pytest.mark.parametrize("cluster", [1, 2])
+def test_default_table_falls_back_to_triton_tiles_where_gluon_does_not_fit(rng, monkeypatch,
+                                                                           cluster):
     # A default row with warp_specialized runs its Triton tiles for shapes the Gluon
     # kernel does not take (the interpreter's table never picks it; this one does).
     problem = make_problem(rng, 8, 1, 2, 1, 32, 64, dtype=torch.float32)
-    ws_row = dataclasses.replace(BIG, warp_specialized=True)
+    ws_row = dataclasses.replace(BIG, warp_specialized=True, cluster=cluster)
     monkeypatch.setattr(ef, "expert_forward_config", lambda *a, **k: ws_row)
     y = run(*problem)
     assert rel_err(y, oracle(*problem)) < 1e-5

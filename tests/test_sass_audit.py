@@ -77,8 +77,9 @@ def test_compiled_sm90_kernels_have_no_register_a_hazards():
                if r["kernel"].startswith(("expert forward", "expert dx")))
     # The Gluon kernel keeps wgmma groups in flight where it asks to (ptxas serialises
     # every wgmma, silently but for an info line, when its registers run short).
+    # Both modes, one CTA and the cluster variant.
     ws = [r for r in shipped if r["kernel"].startswith("expert forward ws")]
-    assert len(ws) == 2 and all(r["async_waits"] >= 14 for r in ws), ws
+    assert len(ws) == 4 and all(r["async_waits"] >= 14 for r in ws), ws
     assert run.returncode == 0, run.stderr[-3000:]
 
 
@@ -99,3 +100,36 @@ def test_gluon_logits_experiment_still_compiles_for_sm90():
     for line in lines:
         assert "12 warps" in line and "0 bytes spill stores" in line, line
         assert int(line.split("shared ")[1].split(" B")[0]) <= 227 * 1024, line
+
+
+_CLUSTER_PROBE = """
+import json
+from mhmoe.kernels import expert_forward_ws as ws, sass_audit
+sig, cx = ws.sm90_signature(256, 1280, False, 2)
+k = sass_audit.compile_sm90(ws._expert_forward_ws_kernel, sig, cx, 4, 1,
+                            ("stride_xs", "stride_xh"), ws.MAXNREG)
+ptx = k.asm["ptx"]
+print(json.dumps({"offsets": ws.smem_offsets(k.asm["llir"]), "shared": k.metadata.shared,
+                  "stages_bytes": ws.NSTAGE * 64 * 128 * 2,
+                  "multicast": ptx.count(".multicast::cluster"),
+                  "remote_arrive": ptx.count("mbarrier.arrive.shared::cluster"),
+                  "cluster_barriers": ptx.count("barrier.cluster.wait")}))
+"""
+
+
+def test_cluster_variant_compiles_with_its_inline_ptx():
+    # The cluster variant of the Gluon kernel (forward v6) addresses its ring and barriers
+    # by shared-memory offsets read from the compiled LLVM IR (`smem_offsets`): they must
+    # be found there, past the ring (at offset 0) and apart; and its inline PTX must be in
+    # the kernel: the multicast copies (4 forms in each of the 6 stage loads of a slice),
+    # the cross-CTA arrivals and a cluster barrier at both ends of every partition.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _CLUSTER_PROBE], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    ready, peer_free = got["offsets"]
+    assert got["stages_bytes"] <= ready < got["shared"], got
+    assert got["stages_bytes"] <= peer_free < got["shared"] and peer_free != ready, got
+    assert got["multicast"] == 24 and got["remote_arrive"] == 6, got
+    assert got["cluster_barriers"] == 10, got

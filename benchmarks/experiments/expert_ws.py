@@ -2,7 +2,11 @@
 
     PYTHONPATH=src python3 benchmarks/experiments/expert_ws.py OUT.json WHAT
 
-WHAT: check, time, all (both), diag or profile.
+WHAT: check, time, all (both), diag or profile. The cluster variant
+(ExpertForwardConfig.cluster = 2, forward v6): cluster (check it, time it beside the
+one-CTA kernel at S >= 4096), cluster_time (the two at S = 1024 ... 32768, two rounds),
+cluster_diag (DIAG 0/1 of both and 3 of the cluster variant at S = 32768) and
+cluster_smoke (two small checks).
 
 check: small problems first (partial tiles, an empty expert, one expert with most rows,
 one slice of I, several head groups), then MAGI-2 shapes at S = 4096 and 32768: the
@@ -31,9 +35,10 @@ from mhmoe.reference import expert_forward_reference
 from mhmoe.routing import sort_routes
 
 WS = ExpertForwardConfig(128, 32, 8, 3, paired=True, warp_specialized=True)
+WS2 = ExpertForwardConfig(128, 32, 8, 3, paired=True, warp_specialized=True, cluster=2)
 
 
-def small_case(name, S, H, E, K, I, gen, skew=False, empty=False):
+def small_case(name, S, H, E, K, I, gen, skew=False, empty=False, cfg=WS):
     D = 256
     x = torch.randn(S, H, D, device="cuda", dtype=torch.bfloat16, generator=gen)
     wg = torch.randn(H * E, D, I, device="cuda", dtype=torch.bfloat16, generator=gen) * D**-0.5
@@ -52,7 +57,7 @@ def small_case(name, S, H, E, K, I, gen, skew=False, empty=False):
     out = {"case": name}
     tri = triton_expert_forward(x, *lay, wg, wu, wd, deterministic=True)
     for det in (False, True):
-        y = triton_expert_forward(x, *lay, wg, wu, wd, deterministic=det, config=WS)
+        y = triton_expert_forward(x, *lay, wg, wu, wd, deterministic=det, config=cfg)
         torch.cuda.synchronize()
         out[f"rel_err_det{int(det)}"] = B.rel_err(y, ref)
         if det:
@@ -62,11 +67,11 @@ def small_case(name, S, H, E, K, I, gen, skew=False, empty=False):
     return out
 
 
-def check(gen):
+def check(gen, cfg=WS):
     res = {"small": []}
     for args in (("partial", 300, 2, 8, 2, 192), ("one_slice", 200, 2, 4, 2, 64),
-                 ("skew_empty", 1000, 3, 16, 4, 320)):
-        kw = {"skew": args[0] == "skew_empty", "empty": args[0] == "skew_empty"}
+                 ("skew_empty", 1000, 3, 16, 4, 320), ("one_tile", 50, 1, 2, 1, 128)):
+        kw = {"skew": args[0] == "skew_empty", "empty": args[0] == "skew_empty", "cfg": cfg}
         res["small"].append(small_case(*args, gen, **kw))
     wg, wu, wd = B.make_weights(gen)
     for S in (4096, 32768):
@@ -74,15 +79,15 @@ def check(gen):
         probs, indices = B.make_routes(S, gen, skew=S == 4096)
         lay = sort_routes(probs, indices, B.E)
         tri = triton_expert_forward(x, *lay, wg, wu, wd, deterministic=True)
-        ws_det = triton_expert_forward(x, *lay, wg, wu, wd, deterministic=True, config=WS)
-        ws_def = triton_expert_forward(x, *lay, wg, wu, wd, config=WS)
+        ws_det = triton_expert_forward(x, *lay, wg, wu, wd, deterministic=True, config=cfg)
+        ws_def = triton_expert_forward(x, *lay, wg, wu, wd, config=cfg)
         r = {"S": S, "det_equal_triton_det": bool(torch.equal(ws_det, tri)),
              "default_vs_det_rel": B.rel_err(ws_def, ws_det),
              "no_nan": not bool(torch.isnan(ws_def).any())}
         if S == 4096:
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g):
-                yg = triton_expert_forward(x, *lay, wg, wu, wd, deterministic=True, config=WS)
+                yg = triton_expert_forward(x, *lay, wg, wu, wd, deterministic=True, config=cfg)
             x.copy_(torch.randn(S, B.H, B.D, device="cuda", dtype=torch.bfloat16, generator=gen))
             g.replay()
             torch.cuda.synchronize()
@@ -93,10 +98,10 @@ def check(gen):
     return res
 
 
-def timing(gen):
+def timing(gen, kernels=None, sizes=(1024, 4096, 16384, 32768)):
     wg, wu, wd = B.make_weights(gen)
     rows = []
-    for S in (1024, 4096, 16384, 32768):
+    for S in sizes:
         x = torch.randn(S, B.H, B.D, device="cuda", dtype=torch.bfloat16, generator=gen)
         probs, indices = B.make_routes(S, gen, skew=False)
         lay = sort_routes(probs, indices, B.E)
@@ -104,7 +109,7 @@ def timing(gen):
                                         wd.dtype)
         tri_cfg = ExpertForwardConfig(tri_cfg.block_m, tri_cfg.block_i, tri_cfg.num_warps,
                                       tri_cfg.num_stages, tri_cfg.tma, tri_cfg.paired)
-        for name, cfg in (("triton", tri_cfg), ("ws", WS)):
+        for name, cfg in kernels or (("triton", tri_cfg), ("ws", WS)):
             for det in (False, True):
                 def fn(cfg=cfg, det=det, x=x, lay=lay):
                     return triton_expert_forward(x, *lay, wg, wu, wd, deterministic=det,
@@ -118,7 +123,7 @@ def timing(gen):
     return rows
 
 
-def diag(gen):
+def diag(gen, cfg=WS, diags=(0, 1, 2), sizes=(16384, 32768), dets=(False, True)):
     """Timing diagnostics at S = 16384 and 32768: DIAG 1 (no weight bytes move) and 2 (no
     wgmma) beside the real kernel (DIAG 0); their outputs are wrong by design."""
     import functools
@@ -128,19 +133,20 @@ def diag(gen):
     launch = ws.launch_ws
     wg, wu, wd = B.make_weights(gen)
     rows = []
-    for S in (16384, 32768):
+    for S in sizes:
         x = torch.randn(S, B.H, B.D, device="cuda", dtype=torch.bfloat16, generator=gen)
         probs, indices = B.make_routes(S, gen, skew=False)
         lay = sort_routes(probs, indices, B.E)
-        for d in (0, 1, 2):
+        for d in diags:
             ws.launch_ws = functools.partial(launch, diag=d)
-            for det in (False, True):
+            for det in dets:
                 def fn(det=det, x=x, lay=lay):
                     return triton_expert_forward(x, *lay, wg, wu, wd, deterministic=det,
-                                                 config=WS)
+                                                 config=cfg)
                 fn()
                 t = do_bench(fn, warmup=20, rep=200, return_mode="median")
-                row = {"S": S, "diag": d, "det": det, "ms": t, "tflops": B.flops(S) / t / 1e9}
+                row = {"S": S, "diag": d, "det": det, "cluster": cfg.cluster, "ms": t,
+                       "tflops": B.flops(S) / t / 1e9}
                 rows.append(row)
                 print(row, flush=True)
     ws.launch_ws = launch
@@ -169,6 +175,30 @@ def main():
         return
     if what == "diag":
         res["diag"] = diag(gen)
+    if what == "cluster_time":
+        res["ceilings"] = B.ceilings()
+        print(res["ceilings"], flush=True)
+        res["rows"] = []
+        for _ in range(2):
+            res["rows"] += timing(gen, (("ws", WS), ("ws_cluster", WS2)))
+    if what == "cluster_diag":
+        res["diag"] = (diag(gen, WS, (0, 1), (32768,), (False,))
+                       + diag(gen, WS2, (0, 1, 3), (32768,), (False,)))
+    if what == "cluster_smoke":  # the small cases alone (a hang shows here first)
+        res["small"] = [small_case("partial", 300, 2, 8, 2, 192, gen, cfg=WS2),
+                        small_case("skew_empty", 1000, 3, 16, 4, 320, gen, skew=True,
+                                   empty=True, cfg=WS2)]
+    if what == "cluster":
+        from mhmoe.kernels import expert_forward_ws as ws
+
+        res["check_cluster"] = check(gen, WS2)
+        res["max_active_clusters"] = {str(k): v for k, v in ws._CLUSTERS.items()}
+        print(res["max_active_clusters"], flush=True)
+        res["ceilings"] = B.ceilings()
+        print(res["ceilings"], flush=True)
+        res["rows"] = []
+        for _ in range(2):  # two rounds, the kernels interleaved in each
+            res["rows"] += timing(gen, (("ws", WS), ("ws_cluster", WS2)), (4096, 16384, 32768))
     if what in ("time", "all"):
         res["ceilings"] = B.ceilings()
         print(res["ceilings"], flush=True)

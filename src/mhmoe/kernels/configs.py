@@ -38,6 +38,8 @@ class ExpertForwardConfig:
                 64). The other fields are the Triton kernel's tiles for shapes it does
                 not take when the default table picks the row; a config a caller passes
                 with warp_specialized for such a shape raises ValueError.
+    cluster:    with warp_specialized, 2 runs the kernel in clusters of two CTAs
+                that share each weight stage by multicast bulk copies (1: no clusters).
     """
 
     block_m: int
@@ -47,9 +49,13 @@ class ExpertForwardConfig:
     tma: bool = True
     paired: bool = False
     warp_specialized: bool = False
+    cluster: int = 1
 
     def __post_init__(self) -> None:
         check_tiles(self, ("block_m", "block_i"))
+        if self.cluster not in (1, 2) or (self.cluster == 2 and not self.warp_specialized):
+            raise ValueError("ExpertForwardConfig.cluster must be 1, or 2 with "
+                             f"warp_specialized; got {self.cluster}")
 
 
 def check_tiles(cfg, blocks: tuple[str, ...]) -> None:
@@ -80,12 +86,17 @@ def check_tiles(cfg, blocks: tuple[str, ...]) -> None:
 # for the others): measured on an H200 (NOTES.md, forward v5) 9.4-10.1 ms against
 # 11.2 at 768 rows per expert, 5.2-5.6 against 6.1 at 384, 1.91 against 2.08 at 96, but
 # 1.59 against 1.55 at 24, where both stream weights and the Triton tiles stay.
+# cluster=2 (forward v6, NOTES.md): 8.97-9.04 against 9.17 ms at 768 rows per expert
+# (deterministic 9.33-9.61 against 9.47-9.90), but slower at 384 in deterministic mode
+# (5.71-6.18 against 5.26-5.41) and far slower at 96 (2.73-2.81 against 1.70).
 _HOPPER = (
     (40.0, ExpertForwardConfig(block_m=64, block_i=32, num_warps=4, num_stages=4)),
     (192.0, ExpertForwardConfig(block_m=128, block_i=32, num_warps=8, num_stages=3,
                                 warp_specialized=True)),
+    (576.0, ExpertForwardConfig(block_m=128, block_i=32, num_warps=8, num_stages=3,
+                                paired=True, warp_specialized=True)),
     (float("inf"), ExpertForwardConfig(block_m=128, block_i=32, num_warps=8, num_stages=3,
-                                       paired=True, warp_specialized=True)),
+                                       paired=True, warp_specialized=True, cluster=2)),
 )
 # Ampere/Ada and unknown CUDA GPUs: less shared memory, no wgmma.
 _GENERIC_CUDA = (

@@ -236,13 +236,14 @@ def _sum_slots_kernel(
     buf_ptr, y_ptr, stride_ys, stride_yh,  # buf fp32 [G*S*K, D]; y [S, H, D], unit D stride
     S, first_head, num_pairs,
     D: tl.constexpr, K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, TOKEN_MAJOR: tl.constexpr = False,
 ):
     """y[s, first_head + g] = sum over k = 0..K-1, in that order, of buf[(g*S + s)*K + k].
 
     Launch grid: (cdiv(G * S, BLOCK_P), cdiv(D, BLOCK_D)); program (p, q) owns
     BLOCK_P (head, token) pairs of the group and columns [q*BLOCK_D, ...).
-    The sum starts from 0.0 and adds in ascending k: a fixed order.
+    The sum starts from 0.0 and adds in ascending k: a fixed order. TOKEN_MAJOR
+    (the default mode's [S, G, D] accumulator, K = 1): buf row (s*G + g) instead.
     """
     pairs = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -250,8 +251,13 @@ def _sum_slots_kernel(
     acc = tl.zeros([BLOCK_P, BLOCK_D], dtype=tl.float32)
     for k in range(K):
         acc += tl.load(buf_ptr + (pairs * K + k)[:, None] * D + d[None, :], mask=ok, other=0.0)
-    g = pairs // S
-    s = pairs - g * S
+    if TOKEN_MAJOR:
+        G = num_pairs // S
+        s = pairs // G
+        g = pairs - s * G
+    else:
+        g = pairs // S
+        s = pairs - g * S
     y_ptrs = y_ptr + s[:, None] * stride_ys + (first_head + g)[:, None] * stride_yh + d[None, :]
     if UPCAST:
         acc = _round_fp32(acc, y_ptr.dtype.element_ty)
@@ -439,16 +445,18 @@ class HeadGroups:
 
     def finish(self, h0: int, g: int, out: torch.Tensor, interpreting: bool) -> None:
         S, _, D = self.result.shape
-        if self.deterministic:
+        if self.deterministic or self.workspace is not None:
+            # Deterministic: the K slots of each (token, head) added in order. Default:
+            # the [S, g, D] sums cast into the result's heads (torch's copy into that
+            # strided slice ran at 2.3 TB/s on an H200: benchmarks/NOTES.md, layer v12).
             block_d = triton.next_power_of_2(D)
             sum_p, sum_d = 32, min(128, block_d)
             grid = (triton.cdiv(g * S, sum_p), triton.cdiv(D, sum_d))
             _sum_slots_kernel[grid](
                 out, self.result, self.result.stride(0), self.result.stride(1), S, h0, g * S,
-                D=D, K=self.K, BLOCK_P=sum_p, BLOCK_D=sum_d, UPCAST=interpreting, num_warps=4,
+                D=D, K=self.K if self.deterministic else 1, BLOCK_P=sum_p, BLOCK_D=sum_d,
+                UPCAST=interpreting, TOKEN_MAJOR=not self.deterministic, num_warps=4,
             )
-        elif self.workspace is not None:
-            self.result[:, h0:h0 + g].copy_(out)
 
 
 def triton_expert_forward(
@@ -502,7 +510,7 @@ def triton_expert_forward(
                     "config.warp_specialized needs an sm_90 GPU, bf16 x and weights, D = 256 "
                     f"and I a multiple of 64; got {x_heads.device}, {x_heads.dtype}/"
                     f"{w_down.dtype}, D={D}, I={I}")
-            config = dataclasses.replace(config, warp_specialized=False)
+            config = dataclasses.replace(config, warp_specialized=False, cluster=1)
     if x_heads.stride(2) != 1:
         x_heads = x_heads.contiguous()
     w_gate, w_up, w_down = w_gate.contiguous(), w_up.contiguous(), w_down.contiguous()
@@ -512,6 +520,7 @@ def triton_expert_forward(
     groups = HeadGroups(y, gather_ids, offsets, E, deterministic, "expert_forward")
     if config.warp_specialized:
         descs = ws.weight_descriptors(w_gate, w_up, w_down)
+        tmaps = ws.cached_tensor_maps(w_gate, w_up, w_down) if config.cluster > 1 else None
         for h0, g, routes, out in groups:
             max_tiles = triton.cdiv(routes, ws.BLOCK_M) + g * E
             tile_expert, tile_first, total = _tile_map(offsets, h0 * E, g * E, ws.BLOCK_M,
@@ -519,7 +528,7 @@ def triton_expert_forward(
             ws.launch_ws(x_heads, gather_ids, sorted_probs, offsets, descs, out, groups.slots,
                          tile_expert, tile_first, total, E=E, first_expert=h0 * E,
                          first_head=h0, group_heads=g, slot_base=h0 * S * groups.K, I=I,
-                         deterministic=deterministic)
+                         deterministic=deterministic, cluster=config.cluster, tmaps=tmaps)
             groups.finish(h0, g, out, interpreting)
         return y
     block_d = triton.next_power_of_2(D)

@@ -24,6 +24,15 @@ of `expert_forward._tile_map`). Four partitions:
 - an x loader warp: gathers the next tile's x rows (cp.async, rows past the expert's
   end zero-filled) into a warpgroup's half as soon as that warpgroup's last gate|up
   wgmma of the current tile has retired.
+- two idle warps that fill the last warpgroup (they only join the cluster barriers).
+
+The cluster variant (CLUSTER = 2, `launch_ws(cluster=2)`) runs the programs in clusters
+of two CTAs that take consecutive tiles 2u and 2u + 1. Where both tiles belong to one
+expert (most pairs at many rows per expert), each CTA's loader copies half of every
+stage and multicasts it into both CTAs' rings, so each weight byte leaves L2 once for
+the pair; the two loaders tell each other when a slot is free in both rings (a barrier
+a slot, signalled across the cluster) before filling it. Gluon has no multicast copy:
+those copies and signals are inline PTX (see STAGES_OFF).
 
 Numerics are those of the Triton kernel: every gate, up and down sum is accumulated by
 wgmma in the same K order (16 at a time, ascending), the SwiGLU is the same code, the
@@ -34,6 +43,8 @@ Shapes it takes (`ws_fits`): bf16 x and weights, D = 256, I a multiple of 64, sm
 """
 
 from __future__ import annotations
+
+import re
 
 import torch
 from triton.experimental import gluon
@@ -57,6 +68,15 @@ NSTAGE = 10  # ring stages of [64, 128] bf16 (16 KB): 160 KB, beside the 64 KB x
 # fill the SM's 64K: the loaders' warpgroup gives back what the MMA warpgroups take.
 MMA_REGS, LOAD_REGS = gl.constexpr(240), gl.constexpr(24)
 MAXNREG = 168
+# The cluster variant (CLUSTER = 2): two CTAs, on neighbouring SMs, take the two tiles of
+# a tile pair; where both tiles belong to one expert each CTA loads half of every stage
+# and the bulk copy multicasts it into both CTAs' rings, halving the weight bytes read
+# from L2. Gluon (Triton 3.6) has no multicast copy, so those copies, the release of a
+# stage to the other CTA's barrier and the cluster barriers are inline PTX, which
+# addresses the ring and its barriers by their offsets in shared memory: the ring's at 0
+# (the allocator places the largest buffer first), the barriers' read from the compiled
+# kernel (`smem_offsets`) and passed back in as constexprs (`_cluster_kernel`).
+STAGES_OFF = gl.constexpr(0)
 
 
 @gluon.jit
@@ -71,60 +91,169 @@ def _tile_rows0(t, tile_expert_ptr, tile_first_ptr, offsets_ptr, first_expert):
 
 
 @gluon.jit
+def _cluster_rank(CLUSTER: gl.constexpr):
+    """This CTA's rank in its cluster (0 without clusters)."""
+    if CLUSTER == 1:
+        return 0
+    else:
+        return gl.inline_asm_elementwise("mov.u32 $0, %cluster_ctarank;", "=r", [],
+                                         dtype=gl.int32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _cluster_sync(CLUSTER: gl.constexpr):
+    """Every thread of the cluster waits for every other (each partition calls it first,
+    once this CTA's barriers are initialised, and last, so that no CTA exits while the
+    other may still signal its barriers)."""
+    if CLUSTER > 1:
+        gl.inline_asm_elementwise(
+            "barrier.cluster.arrive.release; barrier.cluster.wait.acquire; mov.u32 $0, 0;",
+            "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _pair_tile(u, rank, num_tiles, tile_expert_ptr, tile_first_ptr, offsets_ptr,
+               first_expert, CLUSTER: gl.constexpr):
+    """Tile u*CLUSTER + rank of the map: (flat expert, first row, end of its rows). Past
+    the last tile, an empty tile (end = first row) of the last tile's expert."""
+    t = u * CLUSTER + rank
+    f, row0, end = _tile_rows0(gl.minimum(t, num_tiles - 1), tile_expert_ptr, tile_first_ptr,
+                               offsets_ptr, first_expert)
+    if CLUSTER > 1:
+        end = gl.where(t < num_tiles, end, row0)
+    return f, row0, end
+
+
+@gluon.jit
+def _multicast_box(tmap, row, col, dst_off, bar_off, mask):
+    """One lane: the [64, 64] box at (row, col) of the tensor map at address tmap into
+    shared memory at dst_off of every CTA of the cluster in mask, signalling each one's
+    barrier at bar_off."""
+    gl.inline_asm_elementwise(
+        """{
+        .reg .pred p; .reg .b32 l, d, b; .reg .b16 m;
+        mov.u32 l, %laneid; setp.eq.u32 p, l, 0;
+        mov.u32 d, global_smem; add.u32 d, d, $1;
+        mov.u32 b, global_smem; add.u32 b, b, $2;
+        cvt.u16.u32 m, $3;
+        @p cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"""
+        """.multicast::cluster [d], [$4, {$5, $6}], [b], m;
+        mov.u32 $0, 0;
+        }""",
+        "=r,r,r,r,l,r,r", [dst_off, bar_off, mask, tmap, col, row], dtype=gl.int32,
+        is_pure=False, pack=1)
+
+
+@gluon.jit
+def _remote_arrive(bar_off, peer):
+    """One lane: an arrival on the barrier at bar_off of the cluster's CTA `peer`."""
+    gl.inline_asm_elementwise(
+        """{
+        .reg .pred p; .reg .b32 l, a, r;
+        mov.u32 l, %laneid; setp.eq.u32 p, l, 0;
+        mov.u32 a, global_smem; add.u32 a, a, $1;
+        mapa.shared::cluster.u32 r, a, $2;
+        @p mbarrier.arrive.shared::cluster.b64 _, [r];
+        mov.u32 $0, 0;
+        }""",
+        "=r,r,r", [bar_off, peer], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _load_stage(desc_a, at_a, desc_b, at_b, stages, ready, empty, n, NSTAGE: gl.constexpr,
-                DIAG: gl.constexpr):
+                DIAG: gl.constexpr, CLUSTER: gl.constexpr = 1, peer_free=None, tmaps=0, ta=0,
+                tb=0, rank=0, shared=False, OFFS: gl.constexpr = (0, 0)):
     """Ring stage n (once both warpgroups released its last use): box at_a of desc_a into
-    its columns 0-63, box at_b of desc_b into columns 64-127."""
+    its columns 0-63, box at_b of desc_b into columns 64-127. In a cluster (CLUSTER = 2,
+    tensor maps at tmaps + 128*ta and + 128*tb), the stage is also free in the other CTA
+    (its loader says so on peer_free, this one on the other's); where both CTAs' tiles
+    share the expert, CTA `rank` loads box `rank` into both rings, else both boxes into
+    its own."""
     slot = n % NSTAGE
     mbarrier.wait(empty.index(slot), ((n // NSTAGE) & 1) ^ 1)
+    if CLUSTER > 1:
+        # The other loader's wait below, for this use of the slot, passes on this arrival
+        # (none in the first round: the rings start empty).
+        if n >= NSTAGE:
+            _remote_arrive(OFFS[1] + slot * 8, 1 - rank)
+        mbarrier.wait(peer_free.index(slot), ((n // NSTAGE) & 1) ^ 1)
     bar = ready.index(slot)
     st = stages.index(slot)
     if DIAG == 1:
         mbarrier.arrive(bar, count=1)
-    else:
+    elif CLUSTER == 1:
         mbarrier.expect(bar, desc_a.block_type.nbytes + desc_b.block_type.nbytes)
         tma.async_copy_global_to_shared(desc_a, at_a, bar, st.slice(0, 64, dim=1))
         tma.async_copy_global_to_shared(desc_b, at_b, bar, st.slice(64, 64, dim=1))
+    else:
+        mbarrier.expect(bar, 2 * 64 * 64 * 2)
+        dst = STAGES_OFF + slot * (64 * 128 * 2)
+        bar_off = OFFS[0] + slot * 8
+        if shared:
+            if rank == 0:
+                _multicast_box(tmaps + 128 * ta, at_a[0], at_a[1], dst, bar_off, 3)
+            else:
+                _multicast_box(tmaps + 128 * tb, at_b[0], at_b[1], dst + 64 * 64 * 2, bar_off,
+                               3)
+        else:
+            _multicast_box(tmaps + 128 * ta, at_a[0], at_a[1], dst, bar_off, 1 << rank)
+            _multicast_box(tmaps + 128 * tb, at_b[0], at_b[1], dst + 64 * 64 * 2, bar_off,
+                           1 << rank)
 
 
 @gluon.jit
-def _w_loader(wg_desc, wu_desc, wd_desc, stages, ready, empty, tile_expert_ptr,
-              tile_first_ptr, ntiles_ptr, first_expert, D: gl.constexpr, I: gl.constexpr,
-              NSTAGE: gl.constexpr, DIAG: gl.constexpr):
+def _w_loader(wg_desc, wu_desc, wd_desc, stages, ready, empty, peer_free, tile_expert_ptr,
+              tile_first_ptr, ntiles_ptr, first_expert, tmaps, D: gl.constexpr,
+              I: gl.constexpr, NSTAGE: gl.constexpr, DIAG: gl.constexpr,
+              CLUSTER: gl.constexpr, OFFS: gl.constexpr):
     """The weight chunks of every tile of this program, in consumption order: per
     slice j, gate|up chunks over D (rows c*64 of W_gate[f] and W_up[f], columns
     j*64), then W_down[f]'s rows j*64 in two chunks of 128 columns."""
+    _cluster_sync(CLUSTER)
+    rank = _cluster_rank(CLUSTER)
     num_tiles = gl.load(ntiles_ptr)
     n = 0
-    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        f = first_expert + gl.load(tile_expert_ptr + t)
+    for u in range(gl.program_id(0) // CLUSTER, gl.cdiv(num_tiles, CLUSTER),
+                   gl.num_programs(0) // CLUSTER):
+        t = u * CLUSTER
+        f = first_expert + gl.load(tile_expert_ptr + gl.minimum(t + rank, num_tiles - 1))
+        # The other CTA's tile shares the expert (always so without a cluster).
+        shared = f == first_expert + gl.load(
+            tile_expert_ptr + gl.minimum(t + CLUSTER - 1 - rank, num_tiles - 1))
+        if DIAG == 3:
+            shared = False
         for j in range(I // 64):
             for c in gl.static_range(D // 64):
                 _load_stage(wg_desc, [f * D + c * 64, j * 64], wu_desc,
-                            [f * D + c * 64, j * 64], stages, ready, empty, n, NSTAGE, DIAG)
+                            [f * D + c * 64, j * 64], stages, ready, empty, n, NSTAGE, DIAG,
+                            CLUSTER, peer_free, tmaps, 0, 1, rank, shared, OFFS)
                 n += 1
             for h in gl.static_range(D // 128):
                 _load_stage(wd_desc, [f * I + j * 64, h * 128], wd_desc,
                             [f * I + j * 64, h * 128 + 64], stages, ready, empty, n, NSTAGE,
-                            DIAG)
+                            DIAG, CLUSTER, peer_free, tmaps, 2, 2, rank, shared, OFFS)
                 n += 1
+    _cluster_sync(CLUSTER)
 
 
 @gluon.jit
 def _x_loader(x_ptr, stride_xs, stride_xh, gather_ids_ptr, xs, x_ready, x_empty,
               tile_expert_ptr, tile_first_ptr, offsets_ptr, ntiles_ptr, first_expert,
-              E, D: gl.constexpr):
+              E, D: gl.constexpr, CLUSTER: gl.constexpr):
     """x rows of each tile into the warpgroups' halves (cp.async, 16 rows at a time;
     rows past the expert's end zero-filled)."""
+    _cluster_sync(CLUSTER)
     CH: gl.constexpr = 16
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0])
     r = gl.arange(0, CH, layout=gl.SliceLayout(1, layout))
     d = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
+    rank = _cluster_rank(CLUSTER)
     num_tiles = gl.load(ntiles_ptr)
     k = 0
-    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        f, row0, end = _tile_rows0(t, tile_expert_ptr, tile_first_ptr, offsets_ptr,
-                                   first_expert)
+    for u in range(gl.program_id(0) // CLUSTER, gl.cdiv(num_tiles, CLUSTER),
+                   gl.num_programs(0) // CLUSTER):
+        f, row0, end = _pair_tile(u, rank, num_tiles, tile_expert_ptr, tile_first_ptr,
+                                  offsets_ptr, first_expert, CLUSTER)
         xh = x_ptr + (f // E) * stride_xh
         for w in gl.static_range(2):
             # The half is free once its warpgroup's last gate|up wgmma of the previous
@@ -139,6 +268,14 @@ def _x_loader(x_ptr, stride_xs, stride_xh, gather_ids_ptr, xs, x_ready, x_empty,
                     xh + tok[:, None] * stride_xs + d[None, :], mask=ok[:, None])
             async_copy.mbarrier_arrive(x_ready.index(w), increment_count=False)
         k += 1
+    _cluster_sync(CLUSTER)
+
+
+@gluon.jit
+def _idle(CLUSTER: gl.constexpr):
+    """The warps that fill the last warpgroup: they only join the cluster barriers."""
+    _cluster_sync(CLUSTER)
+    _cluster_sync(CLUSTER)
 
 
 @gluon.jit
@@ -222,9 +359,10 @@ def _mma_partition(W: gl.constexpr, xs, stages, ready, empty, x_ready, x_empty, 
                    tile_expert_ptr, tile_first_ptr, offsets_ptr, ntiles_ptr, gather_ids_ptr,
                    probs_ptr, out_ptr, slot_ptr, E, first_expert, first_head, group_heads,
                    slot_base, D: gl.constexpr, I: gl.constexpr, NSTAGE: gl.constexpr,
-                   DETERMINISTIC: gl.constexpr, DIAG: gl.constexpr):
+                   DETERMINISTIC: gl.constexpr, DIAG: gl.constexpr, CLUSTER: gl.constexpr):
     """Rows W*64 .. W*64+63 of every tile of this program: the MLP of each route, scaled
     by its probability, combined as `expert_forward._combine_rows`."""
+    _cluster_sync(CLUSTER)
     NI: gl.constexpr = I // 64
     gu_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 16])
@@ -234,13 +372,15 @@ def _mma_partition(W: gl.constexpr, xs, stages, ready, empty, x_ready, x_empty, 
     rows_layout: gl.constexpr = gl.SliceLayout(1, gu_layout)
     cols = gl.arange(0, 128, layout=gl.SliceLayout(0, gu_layout))
     xh = xs.index(W)
+    rank = _cluster_rank(CLUSTER)
     num_tiles = gl.load(ntiles_ptr)
     n = 0  # stages taken from the ring
     blk = 0  # blocks run (turns taken)
     k = 0  # tiles run
-    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        f, row0, end = _tile_rows0(t, tile_expert_ptr, tile_first_ptr, offsets_ptr,
-                                   first_expert)
+    for u in range(gl.program_id(0) // CLUSTER, gl.cdiv(num_tiles, CLUSTER),
+                   gl.num_programs(0) // CLUSTER):
+        f, row0, end = _pair_tile(u, rank, num_tiles, tile_expert_ptr, tile_first_ptr,
+                                  offsets_ptr, first_expert, CLUSTER)
         mbarrier.wait(x_ready.index(W), k & 1)
         # The cp.async writes reach the wgmma (async proxy) through this fence.
         fence_async_shared()
@@ -302,6 +442,7 @@ def _mma_partition(W: gl.constexpr, xs, stages, ready, empty, x_ready, x_empty, 
         base = out_ptr + dst[:, None] * D + cols[None, :]
         _combine_half(base, acc_lo * prob[:, None], row_ok, DETERMINISTIC)
         _combine_half(base + 128, acc_hi * prob[:, None], row_ok, DETERMINISTIC)
+    _cluster_sync(CLUSTER)
 
 
 @gluon.jit
@@ -312,15 +453,20 @@ def _expert_forward_ws_kernel(
     wg_desc, wu_desc, wd_desc,  # [H*E*D, I], [H*E*D, I], [H*E*I, D]; [64, 64] boxes
     out_ptr, slot_ptr,  # default: fp32 [S, G, D]; deterministic: fp32 [G*S*K, D], slots [R]
     E, first_expert, first_head, group_heads, slot_base,
+    tmaps,  # CLUSTER = 2: address of the three weights' tensor maps (128 bytes each)
     D: gl.constexpr, I: gl.constexpr, NSTAGE: gl.constexpr, DETERMINISTIC: gl.constexpr,
-    DIAG: gl.constexpr = 0,
+    DIAG: gl.constexpr = 0, CLUSTER: gl.constexpr = 1, READY_OFF: gl.constexpr = 0,
+    PEER_FREE_OFF: gl.constexpr = 0,
 ):
     """Expert MLPs of the tiles of a head group (see the module docstring).
 
     Launch grid: (programs,), persistent: program p takes tiles p, p + programs, ...
-    below ntiles[0] (the tile map's real tiles). 4 warps (the default partition is
-    MMA warpgroup 0) plus the workers. DIAG (timing diagnostics, wrong results): 1, the
-    weight loader moves no bytes; 2, the MMA warpgroups issue no wgmma.
+    below ntiles[0] (the tile map's real tiles). With CLUSTER = 2 the programs run in
+    clusters of two (`launch_ws`): cluster c = p // 2 takes tile pairs u = c, c + programs
+    / 2, ..., its CTA r (= p % 2) tile 2u + r. 4 warps (the default partition is MMA
+    warpgroup 0) plus the workers. DIAG (timing diagnostics, wrong results): 1, the
+    weight loader moves no bytes; 2, the MMA warpgroups issue no wgmma; 3 (right results),
+    a cluster's CTAs load their own weights, never multicast.
     """
     xs = gl.allocate_shared_memory(gl.bfloat16, [2, 64, D],
                                    gl.NVMMASharedLayout.get_default_for([64, D], gl.bfloat16))
@@ -332,28 +478,35 @@ def _expert_forward_ws_kernel(
     x_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     x_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    peer_free = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(NSTAGE):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=2)  # both warpgroups read every stage
+        mbarrier.init(peer_free.index(s), count=1)
     for w in gl.static_range(2):
         mbarrier.init(x_ready.index(w), count=32)  # the x loader warp's 32 threads
         mbarrier.init(x_empty.index(w), count=1)
         mbarrier.init(turn.index(w), count=1)
+    if CLUSTER > 1:
+        gl.inline_asm_elementwise("fence.mbarrier_init.release.cluster; mov.u32 $0, 0;", "=r",
+                                  [], dtype=gl.int32, is_pure=False, pack=1)
     gl.warp_specialize([
         (_mma_partition, (0, xs, stages, ready, empty, x_ready, x_empty, turn, tile_expert_ptr,
                           tile_first_ptr, offsets_ptr, ntiles_ptr, gather_ids_ptr, probs_ptr,
                           out_ptr, slot_ptr, E, first_expert, first_head, group_heads,
-                          slot_base, D, I, NSTAGE, DETERMINISTIC, DIAG)),
+                          slot_base, D, I, NSTAGE, DETERMINISTIC, DIAG, CLUSTER)),
         (_mma_partition, (1, xs, stages, ready, empty, x_ready, x_empty, turn, tile_expert_ptr,
                           tile_first_ptr, offsets_ptr, ntiles_ptr, gather_ids_ptr, probs_ptr,
                           out_ptr, slot_ptr, E, first_expert, first_head, group_heads,
-                          slot_base, D, I, NSTAGE, DETERMINISTIC, DIAG)),
-        (_w_loader, (wg_desc, wu_desc, wd_desc, stages, ready, empty, tile_expert_ptr,
-                     tile_first_ptr, ntiles_ptr, first_expert, D, I, NSTAGE, DIAG)),
+                          slot_base, D, I, NSTAGE, DETERMINISTIC, DIAG, CLUSTER)),
+        (_w_loader, (wg_desc, wu_desc, wd_desc, stages, ready, empty, peer_free, tile_expert_ptr,
+                     tile_first_ptr, ntiles_ptr, first_expert, tmaps, D, I, NSTAGE, DIAG,
+                     CLUSTER, (READY_OFF, PEER_FREE_OFF))),
         (_x_loader, (x_ptr, stride_xs, stride_xh, gather_ids_ptr, xs, x_ready, x_empty,
                      tile_expert_ptr, tile_first_ptr, offsets_ptr, ntiles_ptr, first_expert,
-                     E, D)),
-    ], [4, 1, 1], [MMA_REGS, LOAD_REGS, LOAD_REGS])
+                     E, D, CLUSTER)),
+        (_idle, (CLUSTER, )),
+    ], [4, 1, 1, 2], [MMA_REGS, LOAD_REGS, LOAD_REGS, LOAD_REGS])
 
 
 def ws_fits(x_heads: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
@@ -378,7 +531,53 @@ def weight_descriptors(w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.T
     return desc(w_gate, F * D, I), desc(w_up, F * D, I), desc(w_down, F * I, D)
 
 
-def sm90_signature(D: int, I: int, deterministic: bool) -> tuple[dict, dict]:
+def tensor_maps(w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor):
+    """The tensor maps of `weight_descriptors` in device memory ([3, 128] uint8), for
+    the cluster variant's inline bulk copies (encoded by the driver's
+    cuTensorMapEncodeTiled: bf16, [64, 64] boxes, 128-byte swizzle, as Triton's)."""
+    import ctypes
+
+    cuda = ctypes.CDLL("libcuda.so.1")
+    F, D, I = w_gate.shape
+    maps = (ctypes.c_uint8 * (3 * 128 + 128))()
+    base = (ctypes.addressof(maps) + 127) // 128 * 128  # CUtensorMap is 128-byte aligned
+    u64, u32 = ctypes.c_uint64, ctypes.c_uint32
+    for i, (t, rows, cols) in enumerate(((w_gate, F * D, I), (w_up, F * D, I),
+                                         (w_down, F * I, D))):
+        res = cuda.cuTensorMapEncodeTiled(
+            ctypes.c_void_p(base + 128 * i), 9, 2, ctypes.c_void_p(t.data_ptr()),
+            (u64 * 2)(cols, rows), (u64 * 1)(cols * 2), (u32 * 2)(BOX, BOX), (u32 * 2)(1, 1),
+            0, 3, 2, 0)  # bf16; no interleave; 128-byte swizzle; L2 promotion 128 B; no fill
+        if res != 0:
+            raise RuntimeError(f"cuTensorMapEncodeTiled failed ({res}) for weight {i}")
+    host = torch.frombuffer(bytearray(ctypes.string_at(base, 3 * 128)), dtype=torch.uint8)
+    return host.view(3, 128).to(w_gate.device)
+
+
+_TENSOR_MAPS: dict = {}
+
+
+def cached_tensor_maps(w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor):
+    """`tensor_maps`, made once per weights' addresses and shapes (all a map encodes), so
+    that a forward under CUDA graph capture copies nothing from the host."""
+    key = tuple((t.device, t.data_ptr(), tuple(t.shape)) for t in (w_gate, w_up, w_down))
+    if key not in _TENSOR_MAPS:
+        _TENSOR_MAPS[key] = tensor_maps(w_gate, w_up, w_down)
+    return _TENSOR_MAPS[key]
+
+
+_LLIR_INIT = re.compile(r'mbarrier\.init\.shared::cta\.b64 \[\$1\], (\d+);"'
+                        r'.*?@global_smem, i32 (\d+)\)')
+
+
+def smem_offsets(llir: str) -> tuple[int, int]:
+    """(ready, peer_free): shared-memory offsets of the first ready and peer_free barriers
+    in the compiled kernel's LLVM IR (the first and third barriers initialised)."""
+    inits = [int(o) for _, o in _LLIR_INIT.findall(llir)]
+    return inits[0], inits[2]
+
+
+def sm90_signature(D: int, I: int, deterministic: bool, cluster: int = 1):
     """(signature, constexprs) of `_expert_forward_ws_kernel` as its launcher calls it,
     for compiling it without a GPU (`sass_audit`)."""
     from triton.runtime.jit import mangle_type
@@ -391,23 +590,70 @@ def sm90_signature(D: int, I: int, deterministic: bool) -> tuple[dict, dict]:
            **{k: mangle_type(d) for k, d in zip(("wg_desc", "wu_desc", "wd_desc"), descs,
                                                 strict=True)},
            "out_ptr": "*fp32", "slot_ptr": "*i64", "E": "i32", "first_expert": "i32",
-           "first_head": "i32", "group_heads": "i32", "slot_base": "i32"}
-    return sig, dict(D=D, I=I, NSTAGE=NSTAGE, DETERMINISTIC=deterministic, DIAG=0)
+           "first_head": "i32", "group_heads": "i32", "slot_base": "i32", "tmaps": "i64"}
+    return sig, dict(D=D, I=I, NSTAGE=NSTAGE, DETERMINISTIC=deterministic, DIAG=0,
+                     CLUSTER=cluster)
+
+
+_CLUSTERS: dict = {}  # (device, I, deterministic, diag, cluster) -> clusters that fit at once
+_OFFSETS: dict = {}  # (I, deterministic, diag) -> barrier offsets of the cluster variant
+
+
+def _cluster_kernel(args, opts):
+    """(compiled kernel, launch options) of the cluster variant for these arguments: its
+    barrier offsets found (a first compile shows them; the inline PTX constants do not move
+    them) and the launch made a cluster launch. Each specialisation (the JIT compiles one
+    per argument alignment) is compiled for one CTA (Gluon's multi-CTA layouts do not
+    lower wgmma); the launcher takes the cluster size from the packed metadata."""
+    import triton
+
+    key = (opts["I"], opts["DETERMINISTIC"], opts["DIAG"])
+    for _ in range(2):
+        offs = _OFFSETS.get(key, (0, 0))
+        o = dict(opts, READY_OFF=offs[0], PEER_FREE_OFF=offs[1])
+        k = _expert_forward_ws_kernel.warmup(*args, grid=(1,), **o)
+        found = smem_offsets(k.asm["llir"])
+        if found == offs:
+            break
+        _OFFSETS[key] = found
+    else:
+        raise RuntimeError(f"expert_forward_ws: the barriers moved when compiled at {found}")
+    cluster = opts["CLUSTER"]
+    if getattr(k, "mhmoe_cluster", None) != cluster:
+        k._init_handles()
+        fit = triton.runtime.driver.active.utils.cuOccupancyMaxActiveClusters(
+            k.function, k.metadata.shared, cluster)
+        if fit < 1:
+            raise RuntimeError(f"expert_forward_ws: no cluster of {cluster} CTAs fits")
+        k.packed_metadata = (k.packed_metadata[0], cluster, *k.packed_metadata[2:])
+        k.mhmoe_cluster, k.mhmoe_fit = cluster, fit
+        _CLUSTERS[(args[0].device, *key, cluster)] = fit
+    return k, o
 
 
 def launch_ws(x_heads, gather_ids, sorted_probs, offsets, descs, out, slots, tile_expert,
               tile_first, num_tiles, *, E: int, first_expert: int, first_head: int,
               group_heads: int, slot_base: int, I: int, deterministic: bool,
-              programs: int | None = None, diag: int = 0) -> None:
+              programs: int | None = None, diag: int = 0, cluster: int = 1,
+              tmaps: torch.Tensor | None = None) -> None:
     """One launch of `_expert_forward_ws_kernel` for a head group (the launcher of
-    expert_forward.py prepares the tile map, the descriptors and `out`)."""
-    if programs is None:
-        programs = torch.cuda.get_device_properties(x_heads.device).multi_processor_count
-    programs = max(1, min(programs, tile_expert.numel()))
-    _expert_forward_ws_kernel[(programs,)](
-        x_heads, x_heads.stride(0), x_heads.stride(1), gather_ids, sorted_probs, offsets,
-        tile_expert, tile_first, num_tiles, *descs, out, slots,
-        E, first_expert, first_head, group_heads, slot_base,
-        D=256, I=I, NSTAGE=NSTAGE, DETERMINISTIC=deterministic, DIAG=diag,
-        num_warps=4, maxnreg=MAXNREG,
-    )
+    expert_forward.py prepares the tile map, the descriptors and `out`). cluster=2:
+    the multicast variant; tmaps from `tensor_maps`; programs counts clusters."""
+    args = (x_heads, x_heads.stride(0), x_heads.stride(1), gather_ids, sorted_probs, offsets,
+            tile_expert, tile_first, num_tiles, *descs, out, slots,
+            E, first_expert, first_head, group_heads, slot_base,
+            0 if cluster == 1 else tmaps.data_ptr())
+    opts = dict(D=256, I=I, NSTAGE=NSTAGE, DETERMINISTIC=deterministic, DIAG=diag,
+                CLUSTER=cluster, num_warps=4, maxnreg=MAXNREG)
+    if cluster > 1:
+        k, opts = _cluster_kernel(args, opts)
+        if programs is None:
+            programs = k.mhmoe_fit
+        programs = max(1, min(programs, -(-tile_expert.numel() // cluster)))
+    else:
+        if programs is None:
+            programs = torch.cuda.get_device_properties(x_heads.device).multi_processor_count
+        programs = max(1, min(programs, tile_expert.numel()))
+    _expert_forward_ws_kernel[(programs,)](*args, **opts)
+
+

@@ -60,13 +60,15 @@ def toolchain() -> tuple[str, str]:
 
 
 def compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int,
-                 divisible: tuple[str, ...] = (), maxnreg: int | None = None):
+                 divisible: tuple[str, ...] = (), maxnreg: int | None = None,
+                 num_ctas: int = 1):
     """Triton or Gluon kernel `fn` compiled here for sm_90 (no GPU needed): the compiled
     kernel, whose .asm["ptx"] and .metadata.shared the callers read.
 
     signature: argument name -> Triton type ("*bf16", "i32", "tensordesc<bf16[64, 32]>");
     pointers and the `divisible` integers are marked 16-divisible, as the JIT marks the
-    launchers' aligned pointers and strides. maxnreg: the launch's register limit."""
+    launchers' aligned pointers and strides. maxnreg: the launch's register limit;
+    num_ctas: CTAs a cluster."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
     from triton.runtime.jit import JITFunction
@@ -81,7 +83,7 @@ def compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int, num_stag
     attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]]
              for k, t in sig.items() if t.startswith("*") or k in divisible}
     source = GluonASTSource if isinstance(fn, GluonJITFunction) else triton.compiler.ASTSource
-    options = {"num_warps": num_warps, "num_stages": num_stages}
+    options = {"num_warps": num_warps, "num_stages": num_stages, "num_ctas": num_ctas}
     if maxnreg is not None:
         options["maxnreg"] = maxnreg
     return triton.compile(source(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
@@ -265,10 +267,12 @@ def _cases():
         from . import expert_forward_ws as ws
 
         for det in (False, True):
-            sig, cx = ws.sm90_signature(D, I, det)
-            yield (f"expert forward ws (Gluon){' deterministic' if det else ''}",
-                   ws._expert_forward_ws_kernel, sig, cx, 4, 1,
-                   ("stride_xs", "stride_xh"), ws.MAXNREG)
+            for cluster in (1, 2):
+                sig, cx = ws.sm90_signature(D, I, det, cluster)
+                yield (f"expert forward ws (Gluon){' deterministic' if det else ''}"
+                       f"{' cluster 2' if cluster > 1 else ''}",
+                       ws._expert_forward_ws_kernel, sig, cx, 4, 1,
+                       ("stride_xs", "stride_xh"), ws.MAXNREG)
 
     for _, b in backward_configs._TABLES[HOPPER]:
         x = b.dx
