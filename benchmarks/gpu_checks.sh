@@ -9,7 +9,7 @@ mkdir -p "$out"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 status=0
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
-timeout 220 python3 -m pytest -q -p no:cacheprovider --durations=0 tests/test_gpu.py 2>&1 | tee "$out/gpu_tests.log" \
+timeout 330 python3 -m pytest -q -p no:cacheprovider --durations=0 tests/test_gpu.py 2>&1 | tee "$out/gpu_tests.log" \
     || status=1
 timeout 150 python3 benchmarks/bench_layer.py --out "$out/layer.json" 2>&1 | tee "$out/layer.log" || status=1
 timeout 60 python3 -m mhmoe demo 2>&1 | tee "$out/demo.log" || status=1

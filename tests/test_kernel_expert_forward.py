@@ -294,3 +294,75 @@ def test_pair_delta_fallback(rng):
     assert ef._pair_delta(g2, u2, interpreting=False) is None
     y = run(x, probs, indices, g2, u2, wd, config=PAIRED)
     assert_same(y, run(x, probs, indices, g2, u2, wd, config=BIG))
+
+
+def test_cluster_tensor_maps_refuse_a_first_call_under_graph_capture(monkeypatch):
+    # The cluster variant's tensor maps are encoded on the host and copied once per weights;
+    # a first call inside a CUDA graph capture would record that copy: an error says to
+    # warm up first (the maps of weights seen before are reused without a copy).
+    from mhmoe.kernels import expert_forward_ws as ws
+
+    w = torch.zeros(2, 256, 64, dtype=torch.bfloat16)
+    wd = torch.zeros(2, 64, 256, dtype=torch.bfloat16)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="warm-up"):
+        ws.cached_tensor_maps(w, w, wd)
+    key = tuple((t.device, t.data_ptr(), tuple(t.shape)) for t in (w, w, wd))
+    monkeypatch.setitem(ws._TENSOR_MAPS, key, "maps made before")
+    assert ws.cached_tensor_maps(w, w, wd) == "maps made before"
+
+
+def test_cluster_launch_setup_finds_offsets_once_and_refuses_unknown_launchers(monkeypatch):
+    # `_cluster_kernel` (host side of the cluster variant) with the JIT and the driver
+    # stubbed: the first compile's barrier offsets are passed back in and checked in a
+    # second compile; the launch becomes a cluster launch once; later calls only look the
+    # kernel up; a launcher metadata it does not know is refused rather than patched.
+    import types
+
+    import triton
+
+    from mhmoe.kernels import expert_forward_ws as ws
+
+    def llir(ready, peer):
+        init = ('call void asm sideeffect "@$0 mbarrier.init.shared::cta.b64 [$1], {}'
+                ';", "b,r"(i1 %p, ptr addrspace(3) getelementptr (i8, ptr addrspace(3) '
+                '@global_smem, i32 {}))')
+        return "\n".join((init.format(1, ready), init.format(2, 999), init.format(1, peer)))
+
+    compiled, calls = {}, []
+
+    def warmup(*args, grid, **opts):
+        calls.append((opts["READY_OFF"], opts["PEER_FREE_OFF"]))
+        key = (opts["READY_OFF"], opts["PEER_FREE_OFF"])
+        if key not in compiled:
+            compiled[key] = types.SimpleNamespace(
+                asm={"llir": llir(229616, 229776)}, packed_metadata=(12, 1, 229912),
+                metadata=types.SimpleNamespace(shared=229912, global_scratch_size=0,
+                                               profile_scratch_size=0),
+                function=7, _init_handles=lambda: None)
+        return compiled[key]
+
+    monkeypatch.setattr(ws._expert_forward_ws_kernel, "warmup", warmup)
+    utils = types.SimpleNamespace(cuOccupancyMaxActiveClusters=lambda f, shared, c: 66)
+    monkeypatch.setattr(triton.runtime.driver, "_active",
+                        types.SimpleNamespace(utils=utils), raising=False)
+    monkeypatch.setattr(type(triton.runtime.driver), "active",
+                        property(lambda self: self._active), raising=False)
+    monkeypatch.setattr(ws, "_OFFSETS", {})
+    monkeypatch.setattr(ws, "_CLUSTERS", {})
+    args = (torch.zeros(1),)
+    opts = dict(I=1280, DETERMINISTIC=False, DIAG=0, CLUSTER=2)
+    k, o = ws._cluster_kernel(args, opts)
+    assert calls == [(0, 0), (229616, 229776)]
+    assert (o["READY_OFF"], o["PEER_FREE_OFF"]) == (229616, 229776)
+    assert k.packed_metadata == (12, 2, 229912) and k.mhmoe_fit == 66
+    k2, _ = ws._cluster_kernel(args, opts)
+    assert k2 is k and calls[-1] == (229616, 229776) and len(calls) == 3
+    assert k.packed_metadata == (12, 2, 229912)  # not doubled on later calls
+    monkeypatch.setattr(ws, "_OFFSETS", {})
+    compiled.clear()
+    bad = warmup(*args, grid=(1,), **dict(opts, READY_OFF=229616, PEER_FREE_OFF=229776))
+    bad.packed_metadata = (12, 1, 229912, "new field")
+    compiled[(0, 0)] = bad
+    with pytest.raises(RuntimeError, match="cluster launch"):
+        ws._cluster_kernel(args, opts)

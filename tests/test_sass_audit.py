@@ -103,13 +103,16 @@ def test_gluon_logits_experiment_still_compiles_for_sm90():
 
 
 _CLUSTER_PROBE = """
-import json
+import json, re
 from mhmoe.kernels import expert_forward_ws as ws, sass_audit
 sig, cx = ws.sm90_signature(256, 1280, False, 2)
 k = sass_audit.compile_sm90(ws._expert_forward_ws_kernel, sig, cx, 4, 1,
                             ("stride_xs", "stride_xh"), ws.MAXNREG)
 ptx = k.asm["ptx"]
+consts = {int(c) for c in re.findall(r"@global_smem, i32 (\\d+)", k.asm["llir"])}
 print(json.dumps({"offsets": ws.smem_offsets(k.asm["llir"]), "shared": k.metadata.shared,
+                  "x_halves_found": [o in consts for o in (163840, 196608)],
+                  "tensormap_fences": ptx.count("fence.proxy.tensormap::generic.acquire"),
                   "stages_bytes": ws.NSTAGE * 64 * 128 * 2,
                   "multicast": ptx.count(".multicast::cluster"),
                   "remote_arrive": ptx.count("mbarrier.arrive.shared::cluster"),
@@ -119,10 +122,12 @@ print(json.dumps({"offsets": ws.smem_offsets(k.asm["llir"]), "shared": k.metadat
 
 def test_cluster_variant_compiles_with_its_inline_ptx():
     # The cluster variant of the Gluon kernel (forward v6) addresses its ring and barriers
-    # by shared-memory offsets read from the compiled LLVM IR (`smem_offsets`): they must
-    # be found there, past the ring (at offset 0) and apart; and its inline PTX must be in
-    # the kernel: the multicast copies (4 forms in each of the 6 stage loads of a slice),
-    # the cross-CTA arrivals and a cluster barrier at both ends of every partition.
+    # by shared-memory offsets: the ring at 0 (so the x tile's halves right after its
+    # NSTAGE * 16 KB), the barriers read from the compiled LLVM IR (`smem_offsets`), which
+    # must find them past the ring and apart; and its inline PTX must be in the kernel:
+    # the multicast copies (4 forms in each of the 6 stage loads of a slice), the
+    # cross-CTA arrivals, a tensor-map fence a weight and a cluster barrier at both ends
+    # of every partition.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", _CLUSTER_PROBE], env=env,
                          capture_output=True, text=True, timeout=600)
@@ -131,5 +136,7 @@ def test_cluster_variant_compiles_with_its_inline_ptx():
     ready, peer_free = got["offsets"]
     assert got["stages_bytes"] <= ready < got["shared"], got
     assert got["stages_bytes"] <= peer_free < got["shared"] and peer_free != ready, got
+    assert got["stages_bytes"] == 163840 and got["x_halves_found"] == [True, True], got
     assert got["multicast"] == 24 and got["remote_arrive"] == 6, got
+    assert got["tensormap_fences"] == 3, got
     assert got["cluster_barriers"] == 10, got

@@ -174,9 +174,12 @@ def _load_stage(desc_a, at_a, desc_b, at_b, stages, ready, empty, n, NSTAGE: gl.
     if CLUSTER > 1:
         # The other loader's wait below, for this use of the slot, passes on this arrival
         # (none in the first round: the rings start empty).
+        # In the first round there is nothing to wait for, and a wait could even see the
+        # other loader's arrival of round 1 (if its tile loads alone and runs ahead) and
+        # then wait for a phase that needs this loader's own round-1 arrival.
         if n >= NSTAGE:
             _remote_arrive(OFFS[1] + slot * 8, 1 - rank)
-        mbarrier.wait(peer_free.index(slot), ((n // NSTAGE) & 1) ^ 1)
+            mbarrier.wait(peer_free.index(slot), ((n // NSTAGE) & 1) ^ 1)
     bar = ready.index(slot)
     st = stages.index(slot)
     if DIAG == 1:
@@ -211,6 +214,13 @@ def _w_loader(wg_desc, wu_desc, wd_desc, stages, ready, empty, peer_free, tile_e
     j*64), then W_down[f]'s rows j*64 in two chunks of 128 columns."""
     _cluster_sync(CLUSTER)
     rank = _cluster_rank(CLUSTER)
+    if CLUSTER > 1:
+        # The tensor maps were copied into global memory by the host: acquire them for
+        # the tensor-map proxy before the first copy reads them.
+        for i in gl.static_range(3):
+            gl.inline_asm_elementwise(
+                "fence.proxy.tensormap::generic.acquire.sys [$1], 128; mov.u32 $0, 0;",
+                "=r,l", [tmaps + 128 * i], dtype=gl.int32, is_pure=False, pack=1)
     num_tiles = gl.load(ntiles_ptr)
     n = 0
     for u in range(gl.program_id(0) // CLUSTER, gl.cdiv(num_tiles, CLUSTER),
@@ -555,6 +565,7 @@ def tensor_maps(w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor):
 
 
 _TENSOR_MAPS: dict = {}
+_TENSOR_MAPS_KEPT = 64  # the oldest maps go first (36 layers of MAGI-2 fit)
 
 
 def cached_tensor_maps(w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor):
@@ -562,6 +573,13 @@ def cached_tensor_maps(w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.T
     that a forward under CUDA graph capture copies nothing from the host."""
     key = tuple((t.device, t.data_ptr(), tuple(t.shape)) for t in (w_gate, w_up, w_down))
     if key not in _TENSOR_MAPS:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "expert_forward: the cluster kernel's weight tensor maps are copied from the "
+                "host on the first call with these weights, which a CUDA graph capture cannot "
+                "hold; run the forward once outside the capture first (warm-up)")
+        if len(_TENSOR_MAPS) >= _TENSOR_MAPS_KEPT:  # weights made anew each step
+            del _TENSOR_MAPS[next(iter(_TENSOR_MAPS))]
         _TENSOR_MAPS[key] = tensor_maps(w_gate, w_up, w_down)
     return _TENSOR_MAPS[key]
 
@@ -602,32 +620,46 @@ _OFFSETS: dict = {}  # (I, deterministic, diag) -> barrier offsets of the cluste
 def _cluster_kernel(args, opts):
     """(compiled kernel, launch options) of the cluster variant for these arguments: its
     barrier offsets found (a first compile shows them; the inline PTX constants do not move
-    them) and the launch made a cluster launch. Each specialisation (the JIT compiles one
-    per argument alignment) is compiled for one CTA (Gluon's multi-CTA layouts do not
-    lower wgmma); the launcher takes the cluster size from the packed metadata."""
+    them, checked) and the launch made a cluster launch. Each specialisation (the JIT
+    compiles one per argument alignment) is compiled for one CTA (Gluon's multi-CTA
+    layouts do not lower wgmma); the launcher takes the cluster size from the packed
+    metadata. After the first launch of a specialisation this is a JIT cache lookup."""
     import triton
 
+    cluster = opts["CLUSTER"]
     key = (opts["I"], opts["DETERMINISTIC"], opts["DIAG"])
-    for _ in range(2):
-        offs = _OFFSETS.get(key, (0, 0))
+    offs = _OFFSETS.get(key, (0, 0))
+    o = dict(opts, READY_OFF=offs[0], PEER_FREE_OFF=offs[1])
+    k = _expert_forward_ws_kernel.warmup(*args, grid=(1,), **o)
+    if getattr(k, "mhmoe_cluster", None) == cluster:
+        return k, o
+    if "llir" not in k.asm:
+        raise RuntimeError("expert_forward_ws: the compiled kernel has no LLVM IR to read "
+                           "its barriers' offsets from")
+    found = smem_offsets(k.asm["llir"])
+    if found != offs:
+        _OFFSETS[key] = offs = found
         o = dict(opts, READY_OFF=offs[0], PEER_FREE_OFF=offs[1])
         k = _expert_forward_ws_kernel.warmup(*args, grid=(1,), **o)
-        found = smem_offsets(k.asm["llir"])
-        if found == offs:
-            break
-        _OFFSETS[key] = found
-    else:
-        raise RuntimeError(f"expert_forward_ws: the barriers moved when compiled at {found}")
-    cluster = opts["CLUSTER"]
-    if getattr(k, "mhmoe_cluster", None) != cluster:
-        k._init_handles()
-        fit = triton.runtime.driver.active.utils.cuOccupancyMaxActiveClusters(
-            k.function, k.metadata.shared, cluster)
-        if fit < 1:
-            raise RuntimeError(f"expert_forward_ws: no cluster of {cluster} CTAs fits")
-        k.packed_metadata = (k.packed_metadata[0], cluster, *k.packed_metadata[2:])
-        k.mhmoe_cluster, k.mhmoe_fit = cluster, fit
-        _CLUSTERS[(args[0].device, *key, cluster)] = fit
+        if smem_offsets(k.asm["llir"]) != offs:
+            raise RuntimeError("expert_forward_ws: the barriers moved between compiles")
+    # The override below relies on Triton 3.6's launcher: metadata (num_warps, num_ctas,
+    # shared), a grid of clusters, and no global or profile scratch (sized per CTA of a
+    # one-CTA launch, they would be too small).
+    meta = k.packed_metadata
+    if (len(meta) != 3 or meta[1] != 1 or k.metadata.global_scratch_size
+            or k.metadata.profile_scratch_size):
+        raise RuntimeError(f"expert_forward_ws: cannot make a cluster launch of {meta}")
+    k._init_handles()
+    # (Triton's helper counts 128 threads a CTA, not 384: shared memory limits an SM to
+    # one CTA of this kernel either way.)
+    fit = triton.runtime.driver.active.utils.cuOccupancyMaxActiveClusters(
+        k.function, k.metadata.shared, cluster)
+    if fit < 1:
+        raise RuntimeError(f"expert_forward_ws: no cluster of {cluster} CTAs fits")
+    k.packed_metadata = (meta[0], cluster, meta[2])
+    k.mhmoe_cluster, k.mhmoe_fit = cluster, fit
+    _CLUSTERS[(args[0].device, *key, cluster)] = fit
     return k, o
 
 
