@@ -98,13 +98,18 @@ def check(gen, cfg=WS):
     return res
 
 
+def uniform_problem(S, gen):
+    """MAGI-2 x [S, H, D] and the layout of uniform random routes, as the timings use."""
+    x = torch.randn(S, B.H, B.D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    probs, indices = B.make_routes(S, gen, skew=False)
+    return x, sort_routes(probs, indices, B.E)
+
+
 def timing(gen, kernels=None, sizes=(1024, 4096, 16384, 32768)):
     wg, wu, wd = B.make_weights(gen)
     rows = []
     for S in sizes:
-        x = torch.randn(S, B.H, B.D, device="cuda", dtype=torch.bfloat16, generator=gen)
-        probs, indices = B.make_routes(S, gen, skew=False)
-        lay = sort_routes(probs, indices, B.E)
+        x, lay = uniform_problem(S, gen)
         tri_cfg = expert_forward_config(x.device, lay.gather_ids.numel() / (B.H * B.E), B.D,
                                         wd.dtype)
         tri_cfg = ExpertForwardConfig(tri_cfg.block_m, tri_cfg.block_i, tri_cfg.num_warps,
@@ -134,9 +139,7 @@ def diag(gen, cfg=WS, diags=(0, 1, 2), sizes=(16384, 32768), dets=(False, True))
     wg, wu, wd = B.make_weights(gen)
     rows = []
     for S in sizes:
-        x = torch.randn(S, B.H, B.D, device="cuda", dtype=torch.bfloat16, generator=gen)
-        probs, indices = B.make_routes(S, gen, skew=False)
-        lay = sort_routes(probs, indices, B.E)
+        x, lay = uniform_problem(S, gen)
         for d in diags:
             ws.launch_ws = functools.partial(launch, diag=d)
             for det in dets:
@@ -157,9 +160,7 @@ def profile_once(gen):
     """One deterministic call at S = 32768 (for ncu -k _expert_forward_ws_kernel -c 1)."""
     wg, wu, wd = B.make_weights(gen)
     S = 32768
-    x = torch.randn(S, B.H, B.D, device="cuda", dtype=torch.bfloat16, generator=gen)
-    probs, indices = B.make_routes(S, gen, skew=False)
-    lay = sort_routes(probs, indices, B.E)
+    x, lay = uniform_problem(S, gen)
     triton_expert_forward(x, *lay, wg, wu, wd, deterministic=True, config=WS)
     torch.cuda.synchronize()
 
