@@ -406,6 +406,125 @@ def test_gluon_expert_forward_equals_triton(S, H, E, K, I, edge, group_bytes, cl
             assert rel_err(y, ref) <= 1.5 * torch_fp32 + 4e-4, edge
 
 
+@pytest.mark.parametrize("cluster", [1, 2])
+def test_gluon_fused_combine_leaves_its_workspace_zero(cluster, monkeypatch):
+    # The default mode's fused combine (forward v7): the Gluon kernel finishes each
+    # (token, head) once its K-th route is counted and zeroes the workspace row it
+    # summed in, so the kept workspace needs no fill. A head a launch (the workspace
+    # limit lowered: three groups share the kept buffer, counters of heads 1 and 2).
+    # Calls in a row on new inputs, a call on another stream right behind one on the
+    # default stream (the launcher orders them), and CUDA graph replays on new inputs
+    # each give the deterministic result within rounding and leave the workspace zero;
+    # a first call under capture raises with a warm-up hint.
+    import dataclasses as dc
+
+    import mhmoe.kernels.expert_forward as ef
+
+    monkeypatch.setattr(ef, "FUSED_COMBINE", True)  # (off by default so far)
+    S, H, E, K, I, D = 1500, 3, 8, 6, 128, 256
+    monkeypatch.setattr(ef, "DEFAULT_WORKSPACE_BYTES", S * D * 4)
+    gen = torch.Generator(device="cuda").manual_seed(7 + cluster)
+    wg = (torch.randn(H * E, D, I, device="cuda", generator=gen) * D**-0.5).bfloat16()
+    wu = (torch.randn(H * E, D, I, device="cuda", generator=gen) * D**-0.5).bfloat16()
+    wd = (torch.randn(H * E, I, D, device="cuda", generator=gen) * I**-0.5).bfloat16()
+    cfg = dc.replace(ef.expert_forward_config(wg.device, S * K / E, D, wd.dtype),
+                     warp_specialized=True, cluster=cluster)
+
+    def problem():
+        x = torch.randn(S, H, D, device="cuda", generator=gen).bfloat16()
+        scores = torch.rand(H, S, E, device="cuda", generator=gen)
+        probs = torch.rand(H, S, K, device="cuda", generator=gen) + 0.1
+        return x, mhmoe.sort_routes(probs, scores.topk(K, dim=-1).indices, E)
+
+    def forward(x, layout):
+        return ef.triton_expert_forward(x, *layout, wg, wu, wd, config=cfg)
+
+    def check(y, x, layout, what):
+        det = ef.triton_expert_forward(x, *layout, wg, wu, wd, deterministic=True,
+                                       config=cfg)
+        assert rel_err(y, det) < 1e-4, what
+        torch.cuda.synchronize()
+        kept = ef._ZEROED[x.device][0]
+        assert kept.numel() >= S * D and not kept.any(), what
+
+    for call in range(2):
+        x, layout = problem()
+        check(forward(x, layout), x, layout, f"call {call}")
+    (x1, layout1), (x2, layout2) = problem(), problem()
+    torch.cuda.synchronize()
+    y1 = forward(x1, layout1)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):  # no wait here: zeroed_workspace orders the two
+        y2 = forward(x2, layout2)
+    torch.cuda.synchronize()
+    check(y1, x1, layout1, "default stream")
+    check(y2, x2, layout2, "side stream")
+
+    static_x, static_layout = problem()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = forward(static_x, static_layout)
+    for replay in range(2):
+        x, layout = problem()
+        static_x.copy_(x)
+        for dst, src in zip(static_layout, layout, strict=True):
+            dst.copy_(src)
+        graph.replay()
+        check(static_y, x, layout, f"replay {replay}")
+    del graph
+    torch.cuda.synchronize()
+    ef.release_zeroed_workspaces()
+    with pytest.raises(RuntimeError, match="warm-up"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            forward(static_x, static_layout)
+    torch.cuda.synchronize()
+
+
+_BAD_COUNTS = """
+import dataclasses as dc
+import torch, mhmoe
+import mhmoe.kernels.expert_forward as ef
+ef.FUSED_COMBINE = True
+S, H, E, K, I, D = 600, 2, 8, 4, 128, 256
+gen = torch.Generator(device="cuda").manual_seed(3)
+w = [(torch.randn(H * E, *s, device="cuda", generator=gen) * 0.06).bfloat16()
+     for s in ((D, I), (D, I), (I, D))]
+x = torch.randn(S, H, D, device="cuda", generator=gen).bfloat16()
+scores = torch.rand(H, S, E, device="cuda", generator=gen)
+layout = mhmoe.sort_routes(torch.rand(H, S, K, device="cuda", generator=gen),
+                           scores.topk(K, dim=-1).indices, E)
+# head 0: a route of token 1 given to token 0 (K + 1 routes and K - 1; the head's total
+# is still S * K, which the layout checks pass)
+ids = layout.gather_ids
+r = int((ids[:S * K] == 1).nonzero()[0])
+ids[r] = 0
+cfg = dc.replace(ef.expert_forward_config(x.device, S * K / E, D, w[2].dtype),
+                 warp_specialized=True)
+try:
+    ef.triton_expert_forward(x, *layout, *w, config=cfg)
+    torch.cuda.synchronize()
+    print("NO ERROR")
+except RuntimeError as e:
+    print("RAISED", str(e)[:300].replace(chr(10), " "))
+"""
+
+
+def test_gluon_fused_combine_stops_on_other_route_counts():
+    # A layout whose (token, head) route counts are not all K must not leave rows of y
+    # unfinished, or the kept workspace dirty, unnoticed: the launcher's device-side check
+    # of the counts stops the stream with an error. In a subprocess, since a device-side
+    # assertion ends its CUDA context.
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [os.path.join(os.path.dirname(__file__), "..", "src"), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-c", _BAD_COUNTS], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert "RAISED" in run.stdout and "assert" in run.stdout, (run.stdout, run.stderr[-2000:])
+
+
 def test_backward_panel_head_groups_bitwise_on_gpu(monkeypatch):
     # Panels for one head at a time (12 launches of the dx kernel and of the panel
     # GEMMs) against all heads at once: deterministic mode gives the same bits.

@@ -351,7 +351,7 @@ def test_cluster_launch_setup_finds_offsets_once_and_refuses_unknown_launchers(m
     monkeypatch.setattr(ws, "_OFFSETS", {})
     monkeypatch.setattr(ws, "_CLUSTERS", {})
     args = (torch.zeros(1),)
-    opts = dict(I=1280, DETERMINISTIC=False, DIAG=0, CLUSTER=2)
+    opts = dict(I=1280, DETERMINISTIC=False, FUSED=False, DIAG=0, CLUSTER=2)
     k, o = ws._cluster_kernel(args, opts)
     assert calls == [(0, 0), (229616, 229776)]
     assert (o["READY_OFF"], o["PEER_FREE_OFF"]) == (229616, 229776)

@@ -140,3 +140,41 @@ def test_cluster_variant_compiles_with_its_inline_ptx():
     assert got["multicast"] == 24 and got["remote_arrive"] == 6, got
     assert got["tensormap_fences"] == 3, got
     assert got["cluster_barriers"] == 10, got
+
+
+_COMBINE_PROBE = """
+import json, re
+from mhmoe.kernels import expert_forward_ws as ws, sass_audit
+rows = []
+for cluster in (1, 2):
+    for fused in (False, True):
+        sig, cx = ws.sm90_signature(256, 1280, False, cluster, fused=fused)
+        sass = sass_audit.compile_sass(ws._expert_forward_ws_kernel, sig, cx, 4, 1,
+                                       ("stride_xs", "stride_xh"), ws.MAXNREG)
+        n_reg_a, hazards = sass_audit.register_a_hazards(sass)
+        rows.append({"cluster": cluster, "fused": fused, "hazards": hazards,
+                     "async_waits": len(sass_audit._ASYNC_WAIT.findall(sass)),
+                     "reductions": len(re.findall(r"REDG\\.E\\.ADD\\.F32x2", sass)),
+                     "fp32_atomics": len(re.findall(r"ATOMG\\.E\\.ADD\\.F32", sass)),
+                     "counts": len(re.findall(r"ATOMG\\.E\\.ADD\\.STRONG", sass))})
+print(json.dumps(rows))
+"""
+
+
+def test_default_mode_combine_compiles_to_reductions():
+    # The default mode's fp32 adds of the Gluon kernel are reductions (REDG: nothing comes
+    # back) in both variants, with or without forward v7's fused combine (off by default).
+    # gl.atomic_add's version compiled to REDG in the one-CTA kernel but to ATOMG, which
+    # returns the old values, in the cluster variant: each warp then waited on the round
+    # trips. The fused variant's counts are its only other GPU-scope atomics; the MMA
+    # warpgroups still keep wgmma groups in flight, with no register-A hazard.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _COMBINE_PROBE], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads(run.stdout.strip().splitlines()[-1])
+    assert len(rows) == 4
+    for row in rows:
+        assert row["hazards"] == [] and row["async_waits"] >= 14, row
+        assert row["reductions"] == 128 and row["fp32_atomics"] == 0, row
+        assert row["counts"] == (2 if row["fused"] else 0), row

@@ -6,7 +6,10 @@ WHAT: check, time, all (both), diag or profile. The cluster variant
 (ExpertForwardConfig.cluster = 2, forward v6): cluster (check it, time it beside the
 one-CTA kernel at S >= 4096), cluster_time (the two at S = 1024 ... 32768, two rounds),
 cluster_diag (DIAG 0/1 of both and 3 of the cluster variant at S = 32768) and
-cluster_smoke (two small checks).
+cluster_smoke (two small checks). fused_diag (forward v7's fused combine): the one-CTA
+kernel at S = 32768, default mode, without it and with it (its finisher taking 2 or 4
+rows at a time), two rounds; `fused_diag diags` adds its DIAG 4 (relaxed counts) and 5
+(no row finished).
 
 check: small problems first (partial tiles, an empty expert, one expert with most rows,
 one slice of I, several head groups), then MAGI-2 shapes at S = 4096 and 32768: the
@@ -29,6 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import bench_expert_kernel as B
 
+from mhmoe.kernels import expert_forward as ef
 from mhmoe.kernels.configs import ExpertForwardConfig, expert_forward_config
 from mhmoe.kernels.expert_forward import triton_expert_forward
 from mhmoe.reference import expert_forward_reference
@@ -185,6 +189,24 @@ def main():
     if what == "cluster_diag":
         res["diag"] = (diag(gen, WS, (0, 1), (32768,), (False,))
                        + diag(gen, WS2, (0, 1, 3), (32768,), (False,)))
+    if what == "fused_diag":
+        res["ceilings"] = B.ceilings()
+        print(res["ceilings"], flush=True)
+        res["rows"] = []
+        from mhmoe.kernels import expert_forward_ws as ws
+
+        variants = [(False, 0, 2), (True, 0, 2), (True, 0, 4)]
+        if len(sys.argv) > 3 and sys.argv[3] == "diags":
+            variants += [(True, 4, 2), (True, 5, 2)]
+        for _ in range(2):
+            for fused, d, finish_rows in variants:
+                ef.FUSED_COMBINE, ws.FINISH_ROWS = fused, finish_rows
+                rows = diag(gen, WS, (d,), (32768,), (False,))
+                ef.release_zeroed_workspaces()  # DIAG 5 leaves it dirty
+                for row in rows:
+                    row["fused"], row["finish_rows"] = fused, finish_rows
+                res["rows"] += rows
+        ef.FUSED_COMBINE, ws.FINISH_ROWS = False, 2
     if what == "cluster_smoke":  # the small cases alone (a hang shows here first)
         res["small"] = [small_case("partial", 300, 2, 8, 2, 192, gen, cfg=WS2),
                         small_case("skew_empty", 1000, 3, 16, 4, 320, gen, skew=True,

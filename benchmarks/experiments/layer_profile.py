@@ -3,7 +3,8 @@ expert kernel's one-CTA and cluster variants (expert forward v6).
 
     PYTHONPATH=src python3 benchmarks/experiments/layer_profile.py OUT.json
 
-For each variant (the Hopper table's warp-specialised rows with cluster 1, then 2): the
+For each variant (the Hopper table's warp-specialised rows with cluster 1 and 2, with the
+fused combine of forward v7; and cluster 1 without it, v6's fill and finishing pass): the
 layer forward timed eager and from a CUDA graph (do_bench medians, ms, the variants
 interleaved over two rounds), then the torch profiler over 5 eager forwards: every GPU
 kernel or memory operation with its time per forward (us) and its count per forward.
@@ -26,6 +27,7 @@ import bench_layer
 import mhmoe
 from mhmoe.bench import matmul_peak_tflops
 from mhmoe.kernels import configs
+from mhmoe.kernels import expert_forward as ef
 
 S = 32768
 
@@ -50,48 +52,63 @@ def profile(layer, x, reps=5):
     return rows
 
 
-def main():
-    out_path = sys.argv[1]
-    device = torch.device("cuda")
+def magi2_layer(device):
+    """The MAGI-2 layer (seeded parameters, a small expert bias) and an x of S tokens."""
     cfg = mhmoe.MAGI2_PREVIEW
     layer = mhmoe.MultiHeadMoE(cfg, device=device)
     layer.reset_parameters(generator=torch.Generator(device=device).manual_seed(0))
     gen = torch.Generator().manual_seed(0)
-    res = {"matmul_tflops": matmul_peak_tflops(device), "times": [], "profiles": {}}
     with torch.no_grad():
         layer.router.expert_bias_ema.copy_(torch.randn(cfg.num_flat_experts, generator=gen)
                                            .mul_(0.01))
-        x = torch.randn(S, cfg.hidden_size, device=device).bfloat16()
-        tables = {c: table(c) for c in (1, 2)}
+    return layer, torch.randn(S, cfg.hidden_size, device=device).bfloat16()
+
+
+def main():
+    out_path = sys.argv[1]
+    device = torch.device("cuda")
+    layer, x = magi2_layer(device)
+    res = {"matmul_tflops": matmul_peak_tflops(device), "times": [], "profiles": {}}
+    with torch.no_grad():
+        # (cluster, fused combine): forward v7's fused combine in both variants, and the
+        # one-CTA kernel with v6's fill and finishing pass
+        tables = {(c, fused): table(c) for c, fused in ((1, True), (2, True), (1, False))}
+        fused_default = ef.FUSED_COMBINE
         graphs = {}
-        for c, t in tables.items():
-            configs._TABLES[(9, 0)] = t
+        def use(variant):
+            configs._TABLES[(9, 0)] = tables[variant]
+            ef.FUSED_COMBINE = variant[1]
+
+        for v in tables:
+            use(v)
             layer(x)
-            graphs[c] = bench_layer.graph_of(lambda: layer(x))
+            graphs[v] = bench_layer.graph_of(lambda: layer(x))
         ys = {}
-        for c, t in tables.items():
-            configs._TABLES[(9, 0)] = t
-            ys[c] = layer(x).float()
-        res["cluster_vs_one_cta_rel"] = float(
-            (ys[2] - ys[1]).norm() / ys[1].norm())
-        print("cluster vs one-CTA layer output, relative:", res["cluster_vs_one_cta_rel"],
-              flush=True)
+        for v in tables:
+            use(v)
+            ys[v] = layer(x).float()
+        base = ys[(1, False)]
+        res["rel_to_unfused_one_cta"] = {str(v): float((y - base).norm() / base.norm())
+                                         for v, y in ys.items()}
+        print("layer outputs against the unfused one-CTA kernel's, relative:",
+              res["rel_to_unfused_one_cta"], flush=True)
         for _ in range(2):
-            for c, t in tables.items():
-                configs._TABLES[(9, 0)] = t
-                row = {"cluster": c,
+            for v in tables:
+                use(v)
+                row = {"cluster": v[0], "fused": v[1],
                        "layer_ms": do_bench(lambda: layer(x), return_mode="median"),
-                       "layer_graph_ms": do_bench(graphs[c].replay, return_mode="median")}
+                       "layer_graph_ms": do_bench(graphs[v].replay, return_mode="median")}
                 res["times"].append(row)
                 print(row, flush=True)
-        for c, t in tables.items():
-            configs._TABLES[(9, 0)] = t
-            res["profiles"][c] = profile(layer, x)
-            print(f"cluster {c}:", flush=True)
-            for r in res["profiles"][c][:14]:
+        for v in tables:
+            use(v)
+            res["profiles"][str(v)] = profile(layer, x)
+            print(f"cluster {v[0]}, fused {v[1]}:", flush=True)
+            for r in res["profiles"][str(v)][:14]:
                 print(f"  {r['us_per_forward']:9.1f} us  x{r['count_per_forward']:.0f}  "
                       f"{r['name']}", flush=True)
     configs._TABLES[(9, 0)] = configs._HOPPER
+    ef.FUSED_COMBINE = fused_default
     with open(out_path, "w") as f:
         json.dump(res, f, indent=1)
 

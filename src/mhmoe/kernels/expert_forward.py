@@ -313,7 +313,7 @@ def _route_slots(gather_ids: torch.Tensor, offsets: torch.Tensor, S: int, E: int
     return slots
 
 
-def _require(value: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+def _require(value: torch.Tensor, expected: torch.Tensor | int, what: str) -> None:
     """Check value == expected elementwise without a host synchronisation on the GPU.
 
     CPU tensors: a ValueError saying `what`. Other devices: a device-side assertion
@@ -321,7 +321,7 @@ def _require(value: torch.Tensor, expected: torch.Tensor, what: str) -> None:
     synchronisation rather than letting a kernel read a layout its grid does not cover.
     """
     if value.device.type == "cpu":
-        if not torch.equal(value, expected.to(value.dtype)):
+        if not bool(torch.all(value == expected)):
             raise ValueError(what)
     else:
         torch._assert_async(torch.all(value == expected), what)
@@ -386,6 +386,57 @@ def launch_with_step_down(launch, config, step=step_down):
             config = smaller
 
 
+# Whether the Gluon kernel's default mode finishes the combine itself (HeadGroups
+# `fused`, forward v7). Off: right (GPU tests) but slower so far at S = 32768, 9.55-9.60 ms
+# against 9.38-9.49 without it and its two passes (benchmarks/NOTES.md, session 13). On, it
+# needs K routes for every (token, head), as every sort_routes layout has: a layout whose
+# heads have S*K routes but spread otherwise stops the stream with a device-side error.
+# One kept workspace a device serves every call: CUDA graph replays must not run beside
+# other forwards on other streams.
+FUSED_COMBINE = False
+_ZEROED: dict = {}  # device -> [fp32 buffer kept zero, stream of its last use, older buffers]
+
+
+def zeroed_workspace(device: torch.device, numel: int) -> torch.Tensor:
+    """An fp32 buffer of `numel` zeros on `device` that the caller leaves zero again (the
+    fused combine of `expert_forward_ws`), kept from call to call: no fill each call.
+
+    One a device, grown when a call needs more (doubled, up to the workspace limit); a
+    buffer outgrown is kept too, since a CUDA graph may have captured it. A call on
+    another stream than the last waits for that stream's work first (never two kernels
+    on it at once; graph replays are the caller's to order). A first or growing call
+    under graph capture raises (the capture would own the memory): warm up outside it."""
+    stream = torch.cuda.current_stream(device)
+    capturing = torch.cuda.is_current_stream_capturing()
+    entry = _ZEROED.get(device)
+    if entry is None or entry[0].numel() < numel:
+        if capturing:
+            raise RuntimeError(
+                "expert_forward: the fused combine's workspace is allocated (or grown) on the "
+                "first call that needs it, which a CUDA graph capture cannot hold; run the "
+                "forward once at this size outside the capture first (warm-up)")
+        if entry is not None and entry[1] != stream:
+            stream.wait_stream(entry[1])
+        # (doubled, up to the workspace limit: a call at a new size then grows it once)
+        size = numel if entry is None else max(numel, min(2 * entry[0].numel(),
+                                                          DEFAULT_WORKSPACE_BYTES // 4))
+        older = [] if entry is None else entry[2] + [entry[0]]
+        entry = _ZEROED[device] = [torch.zeros(size, dtype=torch.float32, device=device),
+                                   stream, older]
+    elif entry[1] != stream:
+        if not capturing:  # (a capture starts after a device-wide synchronisation)
+            stream.wait_stream(entry[1])
+        entry[1] = stream
+    return entry[0][:numel]
+
+
+def release_zeroed_workspaces() -> None:
+    """Free the fused combine's kept workspaces (`zeroed_workspace`) once the device is
+    idle; the next call that needs one allocates it again. No CUDA graph captured
+    before may be replayed after this."""
+    _ZEROED.clear()
+
+
 class HeadGroups:
     """The combine of a kernel whose programs each produce fp32 [rows, D] route rows
     of a [S, H, D] `result` (the forward's y, the backward's dx).
@@ -397,11 +448,19 @@ class HeadGroups:
     [g*S*K, D] buffer of per-route slots (`slots`), which `_sum_slots_kernel` adds
     in a fixed order. `routes` bounds the routes of the group (for the grid).
     `max_heads` caps the heads of a group below what the workspace limits allow.
+
+    fused (default mode, a kernel that takes it): where the sums need a workspace and
+    every (token, head) has K routes, the kernel finishes each (token, head) itself
+    when it has counted its K routes (`counts`, int32 [S*H], zero at the start) and
+    zeroes its workspace row again; the workspace is kept zero from call to call
+    (`zeroed_workspace`), so no fill and no finishing pass. `finish` then checks that
+    every count reached K (on the device: a layout with other counts stops the
+    stream with an error instead of leaving rows unfinished or the workspace dirty).
     """
 
     def __init__(self, result: torch.Tensor, gather_ids: torch.Tensor, offsets: torch.Tensor,
                  num_experts: int, deterministic: bool, op: str,
-                 max_heads: int | None = None) -> None:
+                 max_heads: int | None = None, fused: bool = False) -> None:
         S, H, D = result.shape
         R = gather_ids.numel()
         self.result, self.deterministic = result, deterministic
@@ -409,6 +468,7 @@ class HeadGroups:
         self.K = R // (S * H)
         cap = H if max_heads is None else max_heads
         self.workspace = None
+        self.fused = False
         if deterministic:
             if not self.uniform_k:
                 raise ValueError(f"{op}: deterministic mode needs the same number of routes "
@@ -425,8 +485,13 @@ class HeadGroups:
                 self.size = H  # one group: accumulate straight into the result
             else:
                 self.size = max(1, min(H, cap, DEFAULT_WORKSPACE_BYTES // (S * D * 4)))
-                self.workspace = torch.empty(S * self.size * D, dtype=torch.float32,
-                                             device=result.device)
+                self.fused = fused and self.uniform_k and self.K > 0
+                if self.fused:
+                    self.workspace = zeroed_workspace(result.device, S * self.size * D)
+                    self.counts = torch.zeros(S * H, dtype=torch.int32, device=result.device)
+                else:
+                    self.workspace = torch.empty(S * self.size * D, dtype=torch.float32,
+                                                 device=result.device)
 
     def __iter__(self):
         S, H, D = self.result.shape
@@ -439,13 +504,25 @@ class HeadGroups:
                 out = self.workspace[:g * S * self.K * D].view(g * S * self.K, D)
             elif self.workspace is None:
                 out = self.result.zero_()
+            elif self.fused:
+                out = self.workspace[:S * g * D].view(S, g, D)  # zero: kept so
             else:
                 out = self.workspace[:S * g * D].view(S, g, D).zero_()
             yield h0, g, routes, out
 
+    def counts_of(self, h0: int, g: int) -> torch.Tensor:
+        """The fused combine's counters of heads [h0, h0 + g): int32 [S, g]."""
+        S = self.result.shape[0]
+        return self.counts[h0 * S:(h0 + g) * S].view(S, g)
+
     def finish(self, h0: int, g: int, out: torch.Tensor, interpreting: bool) -> None:
         S, _, D = self.result.shape
-        if self.deterministic or self.workspace is not None:
+        if self.fused:
+            _require(self.counts_of(h0, g), self.K,
+                     f"expert_forward: the fused combine needs K = {self.K} routes for every "
+                     "(token, head) of the layout (as every sort_routes layout has); this "
+                     "layout gives some another count")
+        elif self.deterministic or self.workspace is not None:
             # Deterministic: the K slots of each (token, head) added in order. Default:
             # the [S, g, D] sums cast into the result's heads (torch's copy into that
             # strided slice ran at 2.3 TB/s on an H200: benchmarks/NOTES.md, layer v12).
@@ -517,7 +594,8 @@ def triton_expert_forward(
     gather_ids, sorted_probs, offsets = (
         gather_ids.contiguous(), sorted_probs.contiguous(), offsets.contiguous())
     dot_fp32 = x_heads.dtype != w_down.dtype or w_down.dtype == torch.float32
-    groups = HeadGroups(y, gather_ids, offsets, E, deterministic, "expert_forward")
+    groups = HeadGroups(y, gather_ids, offsets, E, deterministic, "expert_forward",
+                        fused=config.warp_specialized and FUSED_COMBINE)
     if config.warp_specialized:
         descs = ws.weight_descriptors(w_gate, w_up, w_down)
         tmaps = ws.cached_tensor_maps(w_gate, w_up, w_down) if config.cluster > 1 else None
@@ -528,7 +606,9 @@ def triton_expert_forward(
             ws.launch_ws(x_heads, gather_ids, sorted_probs, offsets, descs, out, groups.slots,
                          tile_expert, tile_first, total, E=E, first_expert=h0 * E,
                          first_head=h0, group_heads=g, slot_base=h0 * S * groups.K, I=I,
-                         deterministic=deterministic, cluster=config.cluster, tmaps=tmaps)
+                         deterministic=deterministic, cluster=config.cluster, tmaps=tmaps,
+                         **(dict(y=y, counts=groups.counts_of(h0, g), K=groups.K)
+                            if groups.fused else {}))
             groups.finish(h0, g, out, interpreting)
         return y
     block_d = triton.next_power_of_2(D)

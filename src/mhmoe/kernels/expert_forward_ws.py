@@ -24,7 +24,10 @@ of `expert_forward._tile_map`). Four partitions:
 - an x loader warp: gathers the next tile's x rows (cp.async, rows past the expert's
   end zero-filled) into a warpgroup's half as soon as that warpgroup's last gate|up
   wgmma of the current tile has retired.
-- two idle warps that fill the last warpgroup (they only join the cluster barriers).
+- two warps that fill the last warpgroup: with FUSED (forward v7's fused combine, off by
+  default: `expert_forward.FUSED_COMBINE`) the finisher, which counts each route's
+  contribution to its (token, head) and finishes the rows that have all K (see
+  `_finisher`); otherwise idle (they only join the cluster barriers).
 
 The cluster variant (CLUSTER = 2, `launch_ws(cluster=2)`) runs the programs in clusters
 of two CTAs that take consecutive tiles 2u and 2u + 1. Where both tiles belong to one
@@ -77,6 +80,9 @@ MAXNREG = 168
 # (the allocator places the largest buffer first), the barriers' read from the compiled
 # kernel (`smem_offsets`) and passed back in as constexprs (`_cluster_kernel`).
 STAGES_OFF = gl.constexpr(0)
+# The fused combine's finisher (two warps of 24 registers) casts and zeroes the rows it
+# finds complete this many at a time (their loads in flight together).
+FINISH_ROWS = 2
 
 
 @gluon.jit
@@ -282,9 +288,70 @@ def _x_loader(x_ptr, stride_xs, stride_xh, gather_ids_ptr, xs, x_ready, x_empty,
 
 
 @gluon.jit
-def _idle(CLUSTER: gl.constexpr):
-    """The warps that fill the last warpgroup: they only join the cluster barriers."""
+def _add(a, b):
+    return a + b
+
+
+@gluon.jit
+def _finisher(gather_ids_ptr, tile_expert_ptr, tile_first_ptr, offsets_ptr, ntiles_ptr,
+              out_ptr, y_ptr, stride_ys, stride_yh, count_ptr, fin_ptr, K, E, first_expert,
+              first_head, group_heads, combined, finished, D: gl.constexpr,
+              FUSED: gl.constexpr, ROWS: gl.constexpr, DIAG: gl.constexpr,
+              CLUSTER: gl.constexpr):
+    """The warps that fill the last warpgroup. Default mode (FUSED), the combine's
+    finish: for each half tile, once its warpgroup's adds are issued (`combined`), one
+    thread a row counts the row's contribution in the [S, G] counters (acq_rel at gpu
+    scope: releases the warpgroup's adds, acquires the other contributors'); the rows
+    whose count reached K are complete: listed in the scratch (a prefix sum places
+    them), the two warps cast them into y and zero them in the workspace for the next
+    call, ROWS rows at a time (4 columns a thread of each), so that ROWS loads of the
+    rows are in flight at once. `finished` gives the half back (its warpgroup waits for
+    that before signalling its next tile, so no phase passes unseen). Otherwise the
+    warps only join the cluster barriers."""
     _cluster_sync(CLUSTER)
+    if FUSED:
+        rows_layout: gl.constexpr = gl.BlockedLayout([1], [32], [2], [0])
+        copy_layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [1, 2], [1, 0])
+        r = gl.arange(0, 64, layout=rows_layout)
+        j = gl.arange(0, ROWS, layout=gl.SliceLayout(1, copy_layout))
+        cols = gl.arange(0, D, layout=gl.SliceLayout(0, copy_layout))
+        fin = fin_ptr + gl.program_id(0) * 64  # this program's scratch: a half's rows
+        rank = _cluster_rank(CLUSTER)
+        num_tiles = gl.load(ntiles_ptr)
+        k = 0
+        for u in range(gl.program_id(0) // CLUSTER, gl.cdiv(num_tiles, CLUSTER),
+                       gl.num_programs(0) // CLUSTER):
+            f, row0, end = _pair_tile(u, rank, num_tiles, tile_expert_ptr, tile_first_ptr,
+                                      offsets_ptr, first_expert, CLUSTER)
+            head = f // E
+            for w in gl.static_range(2):
+                mbarrier.wait(combined.index(w), k & 1)
+                rows = row0 + w * 64 + r
+                ok = rows < end
+                tok = gl.load(gather_ids_ptr + rows, mask=ok, other=0)
+                dst = tok.to(gl.int64) * group_heads + (head - first_head)
+                old = gl.atomic_add(count_ptr + dst, gl.full([64], 1, gl.int32, rows_layout),
+                                    mask=ok, sem="relaxed" if DIAG == 4 else "acq_rel",
+                                    scope="gpu")
+                last = (ok & (old == K - 1) & (DIAG != 5)).to(gl.int32)
+                at = gl.associative_scan(last, 0, _add) - 1
+                gl.store(fin + at, tok.to(gl.int32), mask=last != 0)
+                n = gl.sum(last, axis=0)
+                # The list and every count's acquire passed on to both warps.
+                gl.thread_barrier()
+                for i in range(0, n, ROWS):
+                    t = gl.load(fin + i + j, mask=i + j < n, other=0).to(gl.int64)
+                    m = (i + j < n)[:, None]
+                    src = out_ptr + ((t * group_heads + (head - first_head)) * D)[:, None]
+                    src = src + cols[None, :]
+                    v = gl.load(src, mask=m, other=0.0, cache_modifier=".cg")
+                    dst_y = y_ptr + (t * stride_ys + head * stride_yh)[:, None] + cols[None, :]
+                    gl.store(dst_y, v.to(y_ptr.dtype.element_ty), mask=m)
+                    gl.store(src, gl.zeros_like(v), mask=m)
+                # Both warps are done with the list before the next half rewrites it.
+                gl.thread_barrier()
+                mbarrier.arrive(finished.index(w), count=1)
+            k += 1
     _cluster_sync(CLUSTER)
 
 
@@ -357,21 +424,38 @@ def _swiglu7(gu, a_layout: gl.constexpr):
 
 @gluon.jit
 def _combine_half(ptrs, part, row_ok, DETERMINISTIC: gl.constexpr):
-    """Deterministic: a plain store to each route's slot; else fp32 atomic adds."""
+    """Deterministic: a plain store to each route's slot; else fp32 atomic adds, as
+    reductions (`red`, nothing returned). gl.atomic_add asks for the old values, which
+    ptxas drops (REDG) in the one-CTA kernel but not in the cluster variant, where each
+    warp then waited on the round trips of its 64 ATOMGs (see benchmarks/NOTES.md,
+    session 13). The accumulator layout gives each thread column pairs (2i, 2i + 1) of a
+    row: pack=2 hands them to one 8-byte red."""
     if DETERMINISTIC:
         gl.store(ptrs, part, mask=row_ok[:, None])
     else:
-        gl.atomic_add(ptrs, part, mask=row_ok[:, None], sem="relaxed")
+        addr = ptrs.to(gl.int64, bitcast=True)
+        ok = gl.broadcast(row_ok[:, None], addr)[0].to(gl.int32)
+        gl.inline_asm_elementwise(
+            """{
+            .reg .pred p;
+            setp.ne.b32 p, $6, 0;
+            @p red.global.gpu.relaxed.add.v2.f32 [$2], {$4, $5};
+            mov.u32 $0, 0;
+            mov.u32 $1, 0;
+            }""",
+            "=r,=r,l,l,f,f,r,r", [addr, part, ok], dtype=gl.int32, is_pure=False, pack=2)
 
 
 @gluon.jit
 def _mma_partition(W: gl.constexpr, xs, stages, ready, empty, x_ready, x_empty, turn,
                    tile_expert_ptr, tile_first_ptr, offsets_ptr, ntiles_ptr, gather_ids_ptr,
-                   probs_ptr, out_ptr, slot_ptr, E, first_expert, first_head, group_heads,
-                   slot_base, D: gl.constexpr, I: gl.constexpr, NSTAGE: gl.constexpr,
-                   DETERMINISTIC: gl.constexpr, DIAG: gl.constexpr, CLUSTER: gl.constexpr):
+                   probs_ptr, out_ptr, slot_ptr, combined, finished, E, first_expert,
+                   first_head, group_heads, slot_base, D: gl.constexpr, I: gl.constexpr,
+                   NSTAGE: gl.constexpr, DETERMINISTIC: gl.constexpr, FUSED: gl.constexpr,
+                   DIAG: gl.constexpr, CLUSTER: gl.constexpr):
     """Rows W*64 .. W*64+63 of every tile of this program: the MLP of each route, scaled
-    by its probability, combined as `expert_forward._combine_rows`."""
+    by its probability, combined as `expert_forward._combine_rows` (FUSED: then handed
+    to `_finisher`)."""
     _cluster_sync(CLUSTER)
     NI: gl.constexpr = I // 64
     gu_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -452,6 +536,12 @@ def _mma_partition(W: gl.constexpr, xs, stages, ready, empty, x_ready, x_empty, 
         base = out_ptr + dst[:, None] * D + cols[None, :]
         _combine_half(base, acc_lo * prob[:, None], row_ok, DETERMINISTIC)
         _combine_half(base + 128, acc_hi * prob[:, None], row_ok, DETERMINISTIC)
+        if FUSED:
+            # The finisher took this half of the previous tile (so no phase of `combined`
+            # passes unseen); every thread's adds issued before the one arrival.
+            mbarrier.wait(finished.index(W), ((k - 1) & 1) ^ 1)
+            gl.thread_barrier()
+            mbarrier.arrive(combined.index(W), count=1)
     _cluster_sync(CLUSTER)
 
 
@@ -462,11 +552,14 @@ def _expert_forward_ws_kernel(
     tile_expert_ptr, tile_first_ptr, ntiles_ptr,  # the tile map; ntiles: [1] int32
     wg_desc, wu_desc, wd_desc,  # [H*E*D, I], [H*E*D, I], [H*E*I, D]; [64, 64] boxes
     out_ptr, slot_ptr,  # default: fp32 [S, G, D]; deterministic: fp32 [G*S*K, D], slots [R]
+    y_ptr, stride_ys, stride_yh, count_ptr, fin_ptr, K,  # FUSED: y [S, H, D], counters int32
+    # [S, G] (zero), scratch int32 [programs * 64], K routes a (token, head)
     E, first_expert, first_head, group_heads, slot_base,
     tmaps,  # CLUSTER = 2: address of the three weights' tensor maps (128 bytes each)
     D: gl.constexpr, I: gl.constexpr, NSTAGE: gl.constexpr, DETERMINISTIC: gl.constexpr,
-    DIAG: gl.constexpr = 0, CLUSTER: gl.constexpr = 1, READY_OFF: gl.constexpr = 0,
-    PEER_FREE_OFF: gl.constexpr = 0,
+    FUSED: gl.constexpr = False, FINISH_ROWS: gl.constexpr = 2, DIAG: gl.constexpr = 0,
+    CLUSTER: gl.constexpr = 1,
+    READY_OFF: gl.constexpr = 0, PEER_FREE_OFF: gl.constexpr = 0,
 ):
     """Expert MLPs of the tiles of a head group (see the module docstring).
 
@@ -476,7 +569,9 @@ def _expert_forward_ws_kernel(
     / 2, ..., its CTA r (= p % 2) tile 2u + r. 4 warps (the default partition is MMA
     warpgroup 0) plus the workers. DIAG (timing diagnostics, wrong results): 1, the
     weight loader moves no bytes; 2, the MMA warpgroups issue no wgmma; 3 (right results),
-    a cluster's CTAs load their own weights, never multicast.
+    a cluster's CTAs load their own weights, never multicast; with FUSED, 4: the finisher
+    counts with relaxed atomics (no fences, so no ordering guaranteed), 5: it finishes no
+    row (y not written, the workspace left dirty).
     """
     xs = gl.allocate_shared_memory(gl.bfloat16, [2, 64, D],
                                    gl.NVMMASharedLayout.get_default_for([64, D], gl.bfloat16))
@@ -489,6 +584,8 @@ def _expert_forward_ws_kernel(
     x_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     peer_free = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], mbarrier.MBarrierLayout())
+    combined = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    finished = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(NSTAGE):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=2)  # both warpgroups read every stage
@@ -497,25 +594,32 @@ def _expert_forward_ws_kernel(
         mbarrier.init(x_ready.index(w), count=32)  # the x loader warp's 32 threads
         mbarrier.init(x_empty.index(w), count=1)
         mbarrier.init(turn.index(w), count=1)
+        mbarrier.init(combined.index(w), count=1)
+        mbarrier.init(finished.index(w), count=1)
     if CLUSTER > 1:
         gl.inline_asm_elementwise("fence.mbarrier_init.release.cluster; mov.u32 $0, 0;", "=r",
                                   [], dtype=gl.int32, is_pure=False, pack=1)
     gl.warp_specialize([
         (_mma_partition, (0, xs, stages, ready, empty, x_ready, x_empty, turn, tile_expert_ptr,
                           tile_first_ptr, offsets_ptr, ntiles_ptr, gather_ids_ptr, probs_ptr,
-                          out_ptr, slot_ptr, E, first_expert, first_head, group_heads,
-                          slot_base, D, I, NSTAGE, DETERMINISTIC, DIAG, CLUSTER)),
+                          out_ptr, slot_ptr, combined, finished, E, first_expert,
+                          first_head, group_heads, slot_base, D, I, NSTAGE, DETERMINISTIC,
+                          FUSED, DIAG, CLUSTER)),
         (_mma_partition, (1, xs, stages, ready, empty, x_ready, x_empty, turn, tile_expert_ptr,
                           tile_first_ptr, offsets_ptr, ntiles_ptr, gather_ids_ptr, probs_ptr,
-                          out_ptr, slot_ptr, E, first_expert, first_head, group_heads,
-                          slot_base, D, I, NSTAGE, DETERMINISTIC, DIAG, CLUSTER)),
+                          out_ptr, slot_ptr, combined, finished, E, first_expert,
+                          first_head, group_heads, slot_base, D, I, NSTAGE, DETERMINISTIC,
+                          FUSED, DIAG, CLUSTER)),
         (_w_loader, (wg_desc, wu_desc, wd_desc, stages, ready, empty, peer_free, tile_expert_ptr,
                      tile_first_ptr, ntiles_ptr, first_expert, tmaps, D, I, NSTAGE, DIAG,
                      CLUSTER, (READY_OFF, PEER_FREE_OFF))),
         (_x_loader, (x_ptr, stride_xs, stride_xh, gather_ids_ptr, xs, x_ready, x_empty,
                      tile_expert_ptr, tile_first_ptr, offsets_ptr, ntiles_ptr, first_expert,
                      E, D, CLUSTER)),
-        (_idle, (CLUSTER, )),
+        (_finisher, (gather_ids_ptr, tile_expert_ptr, tile_first_ptr, offsets_ptr, ntiles_ptr,
+                     out_ptr, y_ptr, stride_ys, stride_yh, count_ptr, fin_ptr, K, E,
+                     first_expert, first_head, group_heads, combined, finished, D, FUSED,
+                     FINISH_ROWS, DIAG, CLUSTER)),
     ], [4, 1, 1, 2], [MMA_REGS, LOAD_REGS, LOAD_REGS, LOAD_REGS])
 
 
@@ -595,7 +699,8 @@ def smem_offsets(llir: str) -> tuple[int, int]:
     return inits[0], inits[2]
 
 
-def sm90_signature(D: int, I: int, deterministic: bool, cluster: int = 1):
+def sm90_signature(D: int, I: int, deterministic: bool, cluster: int = 1,
+                   fused: bool = False):
     """(signature, constexprs) of `_expert_forward_ws_kernel` as its launcher calls it,
     for compiling it without a GPU (`sass_audit`)."""
     from triton.runtime.jit import mangle_type
@@ -607,14 +712,17 @@ def sm90_signature(D: int, I: int, deterministic: bool, cluster: int = 1):
            "tile_first_ptr": "*i32", "ntiles_ptr": "*i32",
            **{k: mangle_type(d) for k, d in zip(("wg_desc", "wu_desc", "wd_desc"), descs,
                                                 strict=True)},
-           "out_ptr": "*fp32", "slot_ptr": "*i64", "E": "i32", "first_expert": "i32",
-           "first_head": "i32", "group_heads": "i32", "slot_base": "i32", "tmaps": "i64"}
-    return sig, dict(D=D, I=I, NSTAGE=NSTAGE, DETERMINISTIC=deterministic, DIAG=0,
-                     CLUSTER=cluster)
+           "out_ptr": "*fp32", "slot_ptr": "*i64", "y_ptr": "*bf16" if fused else "*fp32",
+           "stride_ys": "i32", "stride_yh": "i32", "count_ptr": "*i32", "fin_ptr": "*i32",
+           "K": "i32", "E": "i32", "first_expert": "i32", "first_head": "i32", "group_heads": "i32",
+           "slot_base": "i32", "tmaps": "i64"}
+    return sig, dict(D=D, I=I, NSTAGE=NSTAGE, DETERMINISTIC=deterministic, FUSED=fused,
+                     DIAG=0, CLUSTER=cluster)
 
 
-_CLUSTERS: dict = {}  # (device, I, deterministic, diag, cluster) -> clusters that fit at once
-_OFFSETS: dict = {}  # (I, deterministic, diag) -> barrier offsets of the cluster variant
+# (device, I, deterministic, fused, finish rows, diag, cluster) -> clusters that fit at once
+_CLUSTERS: dict = {}
+_OFFSETS: dict = {}  # (I, deterministic, fused, finish rows, diag) -> the cluster barriers
 
 
 def _cluster_kernel(args, opts):
@@ -627,7 +735,8 @@ def _cluster_kernel(args, opts):
     import triton
 
     cluster = opts["CLUSTER"]
-    key = (opts["I"], opts["DETERMINISTIC"], opts["DIAG"])
+    key = (opts["I"], opts["DETERMINISTIC"], opts["FUSED"], opts.get("FINISH_ROWS", 2),
+           opts["DIAG"])
     offs = _OFFSETS.get(key, (0, 0))
     o = dict(opts, READY_OFF=offs[0], PEER_FREE_OFF=offs[1])
     k = _expert_forward_ws_kernel.warmup(*args, grid=(1,), **o)
@@ -667,16 +776,30 @@ def launch_ws(x_heads, gather_ids, sorted_probs, offsets, descs, out, slots, til
               tile_first, num_tiles, *, E: int, first_expert: int, first_head: int,
               group_heads: int, slot_base: int, I: int, deterministic: bool,
               programs: int | None = None, diag: int = 0, cluster: int = 1,
-              tmaps: torch.Tensor | None = None) -> None:
+              tmaps: torch.Tensor | None = None, y: torch.Tensor | None = None,
+              counts: torch.Tensor | None = None, K: int = 0) -> None:
     """One launch of `_expert_forward_ws_kernel` for a head group (the launcher of
     expert_forward.py prepares the tile map, the descriptors and `out`). cluster=2:
-    the multicast variant; tmaps from `tensor_maps`; programs counts clusters."""
+    the multicast variant; tmaps from `tensor_maps`; programs counts clusters.
+    counts (int32 [S, group_heads], zero; default mode): the fused combine, which
+    finishes each (token, head) of y [S, H, D] when its K-th route is added and
+    leaves `out` zero again (`out` must start zero)."""
+    fused = counts is not None
+    if fused and (deterministic or y is None or K < 1):
+        raise ValueError("launch_ws: the fused combine is the default mode's, with y and K")
+    yt = y if fused else out
+    sms = torch.cuda.get_device_properties(x_heads.device).multi_processor_count
+    # The finisher's scratch: 64 rows a CTA (at most an SM each, or as many as asked).
+    fin = (torch.empty(max(sms, (programs or 0) * cluster) * 64, dtype=torch.int32,
+                       device=x_heads.device) if fused else None)
     args = (x_heads, x_heads.stride(0), x_heads.stride(1), gather_ids, sorted_probs, offsets,
             tile_expert, tile_first, num_tiles, *descs, out, slots,
-            E, first_expert, first_head, group_heads, slot_base,
-            0 if cluster == 1 else tmaps.data_ptr())
-    opts = dict(D=256, I=I, NSTAGE=NSTAGE, DETERMINISTIC=deterministic, DIAG=diag,
-                CLUSTER=cluster, num_warps=4, maxnreg=MAXNREG)
+            yt, yt.stride(0) if fused else 0, yt.stride(1) if fused else 0,
+            counts if fused else num_tiles, fin if fused else num_tiles, K, E, first_expert,
+            first_head, group_heads, slot_base, 0 if cluster == 1 else tmaps.data_ptr())
+    opts = dict(D=256, I=I, NSTAGE=NSTAGE, DETERMINISTIC=deterministic, FUSED=fused,
+                FINISH_ROWS=FINISH_ROWS, DIAG=diag, CLUSTER=cluster, num_warps=4,
+                maxnreg=MAXNREG)
     if cluster > 1:
         k, opts = _cluster_kernel(args, opts)
         if programs is None:
@@ -684,7 +807,7 @@ def launch_ws(x_heads, gather_ids, sorted_probs, offsets, descs, out, slots, til
         programs = max(1, min(programs, -(-tile_expert.numel() // cluster)))
     else:
         if programs is None:
-            programs = torch.cuda.get_device_properties(x_heads.device).multi_processor_count
+            programs = sms
         programs = max(1, min(programs, tile_expert.numel()))
     _expert_forward_ws_kernel[(programs,)](*args, **opts)
 

@@ -268,7 +268,9 @@ def _cases():
 
         for det in (False, True):
             for cluster in (1, 2):
-                sig, cx = ws.sm90_signature(D, I, det, cluster)
+                # (FUSED: the default mode's kernel finishing the combine itself)
+                sig, cx = ws.sm90_signature(D, I, det, cluster,
+                                            fused=not det and expert_forward.FUSED_COMBINE)
                 yield (f"expert forward ws (Gluon){' deterministic' if det else ''}"
                        f"{' cluster 2' if cluster > 1 else ''}",
                        ws._expert_forward_ws_kernel, sig, cx, 4, 1,
