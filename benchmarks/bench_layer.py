@@ -53,6 +53,18 @@ def graph_of(fn):
     return graph
 
 
+def magi2_layer(device: torch.device) -> mhmoe.MultiHeadMoE:
+    """The MAGI-2 layer the layer benchmarks time: seeded parameters, a small expert bias."""
+    cfg = mhmoe.MAGI2_PREVIEW
+    layer = mhmoe.MultiHeadMoE(cfg, device=device)
+    layer.reset_parameters(generator=torch.Generator(device=device).manual_seed(0))
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        layer.router.expert_bias_ema.copy_(torch.randn(cfg.num_flat_experts, generator=gen)
+                                           .mul_(0.01))
+    return layer
+
+
 def measure(layer, S: int, device: torch.device) -> dict:
     """One token count: every time of the table, medians in ms."""
     cfg = layer.config
@@ -86,13 +98,8 @@ def main() -> int:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     device = torch.device("cuda")
-    cfg = mhmoe.MAGI2_PREVIEW
-    layer = mhmoe.MultiHeadMoE(cfg, device=device)
-    layer.reset_parameters(generator=torch.Generator(device=device).manual_seed(0))
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        layer.router.expert_bias_ema.copy_(torch.randn(cfg.num_flat_experts, generator=gen)
-                                           .mul_(0.01))
+    layer = magi2_layer(device)
+    cfg = layer.config
     peaks = {"matmul_tflops": matmul_peak_tflops(device), "copy_tbs": copy_bandwidth_tbs(device)}
     rows = []
     with torch.no_grad():

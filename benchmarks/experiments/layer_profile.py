@@ -24,7 +24,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import bench_layer
 
-import mhmoe
 from mhmoe.bench import matmul_peak_tflops
 from mhmoe.kernels import configs
 from mhmoe.kernels import expert_forward as ef
@@ -53,15 +52,9 @@ def profile(layer, x, reps=5):
 
 
 def magi2_layer(device):
-    """The MAGI-2 layer (seeded parameters, a small expert bias) and an x of S tokens."""
-    cfg = mhmoe.MAGI2_PREVIEW
-    layer = mhmoe.MultiHeadMoE(cfg, device=device)
-    layer.reset_parameters(generator=torch.Generator(device=device).manual_seed(0))
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        layer.router.expert_bias_ema.copy_(torch.randn(cfg.num_flat_experts, generator=gen)
-                                           .mul_(0.01))
-    return layer, torch.randn(S, cfg.hidden_size, device=device).bfloat16()
+    """bench_layer's MAGI-2 layer and an x of S tokens."""
+    layer = bench_layer.magi2_layer(device)
+    return layer, torch.randn(S, layer.config.hidden_size, device=device).bfloat16()
 
 
 def main():

@@ -109,6 +109,16 @@ def compile_sass(fn, signature: dict, constexprs: dict, num_warps: int, num_stag
 _INSTR = re.compile(r"/\*([0-9a-f]+)\*/\s+(.*?)\s*;")
 _HGMMA_REG_A = re.compile(r"(?:@\S+\s+)?HGMMA\.\S+\s+R\d+,\s+R(\d+),")
 _ASYNC_WAIT = re.compile(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x[1-9a-f]")
+# Global atomics: fp32 pair adds with nothing returned, fp32 adds returning the old values,
+# and integer adds (the fused combine's counts).
+_COMBINE_OPS = {"reductions": re.compile(r"REDG\.E\.ADD\.F32x2"),
+                "fp32_atomics": re.compile(r"ATOMG\.E\.ADD\.F32"),
+                "counts": re.compile(r"ATOMG\.E\.ADD\.STRONG")}
+
+
+def combine_ops(sass: str) -> dict:
+    """How many of each kind of global atomic add (`_COMBINE_OPS`) the SASS has."""
+    return {name: len(pattern.findall(sass)) for name, pattern in _COMBINE_OPS.items()}
 _BACK_BRANCH = re.compile(r"@!?U?P\w+\s+BRA\s+(0x[0-9a-f]+)")
 # Opcodes that write no general register (or whose first operand is not a destination).
 _NO_DEST = ("ST", "RED", "BAR", "BRA", "SYNCS", "UTMA", "WARPGROUP", "EXIT", "ISETP",
@@ -208,8 +218,7 @@ def _canary_kernel(x_desc, w_desc, out_ptr, D: tl.constexpr, BLOCK_S: tl.constex
 
 def _cases():
     """(name, fn, signature, constexprs, num_warps, num_stages, divisible, maxnreg) of every
-    kernel
-    with tensor-core dots at the tiles its launcher picks on sm_90, MAGI-2's dims."""
+    kernel with tensor-core dots at the tiles its launcher picks on sm_90, MAGI-2's dims."""
     from ..config import MAGI2_PREVIEW as M
     from . import backward_configs, configs, expert_backward, expert_forward, routing
 
@@ -324,7 +333,8 @@ def _cases():
 def audit(progress=None) -> list[dict]:
     """One row per kernel and tile: name, HGMMAs with a register A operand, hazards, and
     the waits that leave wgmma groups in flight (`WARPGROUP.DEPBAR.LE gsb0, N > 0`: none
-    where ptxas serialised every wgmma, which it does when registers run short)."""
+    where ptxas serialised every wgmma, which it does when registers run short), and its
+    global atomic adds (`combine_ops`)."""
     rows = []
     for name, fn, sig, cx, warps, stages, divisible, maxnreg in _cases():
         if progress:
@@ -332,7 +342,7 @@ def audit(progress=None) -> list[dict]:
         sass = compile_sass(fn, sig, cx, warps, stages, divisible, maxnreg)
         n_reg_a, hazards = register_a_hazards(sass)
         rows.append({"kernel": name, "hgmma_register_a": n_reg_a, "hazards": hazards,
-                     "async_waits": len(_ASYNC_WAIT.findall(sass))})
+                     "async_waits": len(_ASYNC_WAIT.findall(sass)), **combine_ops(sass)})
     return rows
 
 
