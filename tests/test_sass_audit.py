@@ -114,6 +114,17 @@ def test_gluon_logits_experiment_still_compiles_for_sm90():
         assert int(line.split("shared ")[1].split(" B")[0]) <= 227 * 1024, line
 
 
+def test_gluon_logits_epilogue_experiment_still_compiles_for_sm90():
+    # benchmarks/experiments/logits_epi_ws.py (routing v14, not kept: the epilogue on two
+    # warpgroups of its own) calls `_shortlist` too: 16 warps (the MMA warpgroup, two
+    # epilogue warpgroups, the loader's), no spills, under 227 KB of shared memory.
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "experiments",
+                          "logits_epi_ws.py")
+    line = _compiled(script, "--compile-only").strip().splitlines()[-1]
+    assert "16 warps" in line and "0 bytes spill stores" in line, line
+    assert int(line.split("shared ")[1].split(" B")[0]) <= 227 * 1024, line
+
+
 _CLUSTER_PROBE = """
 import json, re
 from mhmoe.kernels import expert_forward_ws as ws, sass_audit

@@ -2,14 +2,17 @@
 
     PYTHONPATH=src python3 benchmarks/experiments/expert_ws.py OUT.json WHAT
 
-WHAT: check, time, all (both), diag or profile. The cluster variant
+WHAT: check, time, all (both), diag, profile or profile_default1|2. The cluster variant
 (ExpertForwardConfig.cluster = 2, forward v6): cluster (check it, time it beside the
 one-CTA kernel at S >= 4096), cluster_time (the two at S = 1024 ... 32768, two rounds),
 cluster_diag (DIAG 0/1 of both and 3 of the cluster variant at S = 32768) and
 cluster_smoke (two small checks). fused_diag (forward v7's fused combine): the one-CTA
 kernel at S = 32768, default mode, without it and with it (its finisher taking 2 or 4
 rows at a time), two rounds; `fused_diag diags` adds its DIAG 4 (relaxed counts) and 5
-(no row finished).
+(no row finished). skip (forward v8, needs benchmarks/experiments/skip.patch applied):
+the empty-half skip on and off, both variants, deterministic outputs compared bitwise,
+then timed at S = 32768 (default mode) in three interleaved rounds, with the 256 MiB
+default workspace (two launches) and one of 512 MiB (one launch).
 
 check: small problems first (partial tiles, an empty expert, one expert with most rows,
 one slice of I, several head groups), then MAGI-2 shapes at S = 4096 and 32768: the
@@ -160,12 +163,63 @@ def diag(gen, cfg=WS, diags=(0, 1, 2), sizes=(16384, 32768), dets=(False, True))
     return rows
 
 
-def profile_once(gen):
-    """One deterministic call at S = 32768 (for ncu -k _expert_forward_ws_kernel -c 1)."""
+def half_tails(lay, E):
+    """Experts whose last tile holds 1..64 rows (a half skipped), of all experts."""
+    counts = (lay.offsets[1:] - lay.offsets[:-1]).cpu()
+    tail = counts % 128
+    return int(((tail > 0) & (tail <= 64)).sum()), counts.numel()
+
+
+def skip_ab(gen):
+    """Forward v8: the empty-half skip on and off (module switch), bitwise in the
+    deterministic mode, then timed."""
+    from mhmoe.kernels import expert_forward_ws as ws
+
     wg, wu, wd = B.make_weights(gen)
     S = 32768
     x, lay = uniform_problem(S, gen)
-    triton_expert_forward(x, *lay, wg, wu, wd, deterministic=True, config=WS)
+    res = {"half_tails": half_tails(lay, B.E), "check": [], "rows": []}
+    print(res["half_tails"], flush=True)
+    for cfg in (WS, WS2):
+        outs = {}
+        for skip in (False, True):
+            ws.SKIP_EMPTY_HALVES = skip
+            outs[skip] = [triton_expert_forward(x, *lay, wg, wu, wd, deterministic=det,
+                                                config=cfg) for det in (True, False)]
+        r = {"cluster": cfg.cluster, "det_bitwise": bool(torch.equal(outs[False][0],
+                                                                     outs[True][0])),
+             "default_rel": B.rel_err(outs[True][1], outs[False][0])}
+        print(r, flush=True)
+        res["check"].append(r)
+    del outs
+    base = ef.DEFAULT_WORKSPACE_BYTES
+    for _ in range(3):
+        for skip in (False, True):
+            for cfg in (WS, WS2):
+                for wsb in (base, 2 * base):
+                    ws.SKIP_EMPTY_HALVES = skip
+                    ef.DEFAULT_WORKSPACE_BYTES = wsb
+
+                    def fn(cfg=cfg):
+                        return triton_expert_forward(x, *lay, wg, wu, wd, config=cfg)
+                    fn()
+                    t = do_bench(fn, warmup=20, rep=200, return_mode="median")
+                    row = {"S": S, "skip": skip, "cluster": cfg.cluster,
+                           "workspace_mib": wsb >> 20, "ms": t,
+                           "tflops": B.flops(S) / t / 1e9}
+                    res["rows"].append(row)
+                    print(row, flush=True)
+    ws.SKIP_EMPTY_HALVES, ef.DEFAULT_WORKSPACE_BYTES = True, base
+    return res
+
+
+def profile_once(gen, det=True, cfg=WS):
+    """One call at S = 32768 (for ncu -k regex:_expert_forward_ws -c 1): deterministic on
+    one CTA, or (profile_default1|2) the default mode on one CTA or in clusters of two."""
+    wg, wu, wd = B.make_weights(gen)
+    S = 32768
+    x, lay = uniform_problem(S, gen)
+    triton_expert_forward(x, *lay, wg, wu, wd, deterministic=det, config=cfg)
     torch.cuda.synchronize()
 
 
@@ -177,6 +231,13 @@ def main():
         res["check"] = check(gen)
     if what == "profile":
         profile_once(gen)
+        return
+    if what in ("profile_default1", "profile_default2"):
+        from mhmoe.kernels import expert_forward_ws as ws
+
+        # Session 14's experiment: read only with benchmarks/experiments/l2_hints.patch.
+        ws.L2_HINTS = int(os.environ.get("L2_HINTS", "0"))
+        profile_once(gen, False, WS2 if what.endswith("2") else WS)
         return
     if what == "diag":
         res["diag"] = diag(gen)
@@ -207,6 +268,10 @@ def main():
                     row["fused"], row["finish_rows"] = fused, finish_rows
                 res["rows"] += rows
         ef.FUSED_COMBINE, ws.FINISH_ROWS = False, 2
+    if what == "skip":
+        res["ceilings"] = B.ceilings()
+        print(res["ceilings"], flush=True)
+        res["skip"] = skip_ab(gen)
     if what == "cluster_smoke":  # the small cases alone (a hang shows here first)
         res["small"] = [small_case("partial", 300, 2, 8, 2, 192, gen, cfg=WS2),
                         small_case("skew_empty", 1000, 3, 16, 4, 320, gen, skew=True,

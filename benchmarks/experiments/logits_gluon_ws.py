@@ -72,17 +72,20 @@ def _tile(t, NB, NSPLIT: gl.constexpr):
 @gluon.jit
 def _load_partition(WHICH: gl.constexpr, x_desc, w_desc, xbufs, wbufs, ready, empty, H, NB,
                     num_tiles, D: gl.constexpr, E: gl.constexpr, BLOCK_S: gl.constexpr,
-                    BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, NSTAGE: gl.constexpr):
-    """One warp feeding MMA warpgroup WHICH: for each of its tiles, 2 * D / BLOCK_D steps
-    into its ring of NSTAGE stages (slots WHICH * NSTAGE ...). Step s < D / BLOCK_D brings
-    x[:, d] with w3[:, d] and w2[:, d]; the later steps x[:, d] with w1[:, d]."""
+                    BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, NSTAGE: gl.constexpr,
+                    WAYS: gl.constexpr = 2):
+    """One warp feeding MMA warpgroup WHICH of WAYS (tiles WHICH, WHICH + WAYS, ... of the
+    program's walk): for each of its tiles, 2 * D / BLOCK_D steps into its ring of NSTAGE
+    stages (slots WHICH * NSTAGE ...). Step s < D / BLOCK_D brings x[:, d] with w3[:, d]
+    and w2[:, d]; the later steps x[:, d] with w1[:, d]. (Also routing v14's loader, with
+    WAYS = 1: logits_epi_ws.py.)"""
     NSPLIT: gl.constexpr = E // BLOCK_N
     KSTEPS: gl.constexpr = D // BLOCK_D
     X_BYTES: gl.constexpr = x_desc.block_type.nbytes
     W_BYTES: gl.constexpr = w_desc.block_type.nbytes
     nprog = gl.num_programs(0)
     it = 0
-    for t in range(gl.program_id(0) + WHICH * nprog, num_tiles, 2 * nprog):
+    for t in range(gl.program_id(0) + WHICH * nprog, num_tiles, WAYS * nprog):
         b, h, n = _tile(t, NB, NSPLIT)
         s0 = b * BLOCK_S
         n0 = n * BLOCK_N
@@ -108,6 +111,72 @@ def _load_partition(WHICH: gl.constexpr, x_desc, w_desc, xbufs, wbufs, ready, em
 
 
 @gluon.jit
+def _tile_products(xbufs, wbufs, ready, empty, it, FIRST, acc_layout: gl.constexpr,
+                   D: gl.constexpr, BLOCK_S: gl.constexpr, BLOCK_N: gl.constexpr,
+                   BLOCK_D: gl.constexpr, NSTAGE: gl.constexpr, MMA: gl.constexpr = True):
+    """One tile's logits from the ring of NSTAGE stages at slots FIRST ..., its steps
+    taken from step `it` of the ring on (the loader's order, `_load_partition`): returns
+    (the [BLOCK_S, BLOCK_N] fp32 tile, it past the tile), each stage released once its
+    wgmmas retired. MMA=False (a timing diagnostic): the stages waited for and released,
+    no wgmma (a zero tile)."""
+    KSTEPS: gl.constexpr = D // BLOCK_D
+    acc = gl.zeros([BLOCK_S, BLOCK_N], gl.float32, acc_layout)
+    prev = 0
+    for s in gl.static_range(2 * KSTEPS):
+        slot = FIRST + it % NSTAGE
+        mbarrier.wait(ready.index(slot), (it // NSTAGE) & 1)
+        xs = xbufs.index(slot)
+        if MMA:
+            acc = warpgroup_mma(xs, wbufs.index(2 * slot).permute((1, 0)), acc, is_async=True)
+            if s < KSTEPS:
+                acc = warpgroup_mma(xs, wbufs.index(2 * slot + 1).permute((1, 0)), acc,
+                                    is_async=True)
+        # All but the newest MMA retired: the previous step's stage is free.
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+        if s > 0:
+            mbarrier.arrive(empty.index(prev), count=1)
+        prev = slot
+        it += 1
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    mbarrier.arrive(empty.index(prev), count=1)
+    return acc, it
+
+
+@gluon.jit
+def _zero_counts(counts_ptr, s0, n0, h, S, CB, E: gl.constexpr, BLOCK_S: gl.constexpr,
+                 BLOCK_N: gl.constexpr, COUNT_T: gl.constexpr):
+    """The counts blocks [h, j] whose first token lies in the tile of tokens s0 ...: zeroed
+    in the tile's columns n0 ... (`_logits_route_kernel`'s COUNT_T > 0 with ROUTE=False)."""
+    zero_layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])
+    NJ: gl.constexpr = (BLOCK_S + COUNT_T - 1) // COUNT_T
+    first = s0 + gl.arange(0, NJ, layout=gl.SliceLayout(1, zero_layout)) * COUNT_T
+    clear = (first % COUNT_T == 0) & (first < S)
+    crow = (h * CB + first // COUNT_T).to(gl.int64)
+    ccol = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, zero_layout))
+    gl.store(counts_ptr + crow[:, None] * E + ccol[None, :],
+             gl.zeros([NJ, BLOCK_N], gl.int32, zero_layout), mask=clear[:, None])
+
+
+@gluon.jit
+def _store_shortlist(acc, rows, coln, h, n, bias_ptr, short_ptr, S, E: gl.constexpr,
+                     TOP_K: gl.constexpr, SHORT: gl.constexpr, BLOCK_N: gl.constexpr,
+                     HAS_BIAS: gl.constexpr, cols_layout: gl.constexpr):
+    """The shortlists of the logits acc [rows, BLOCK_N] of column block n (`routing._shortlist`,
+    0 throughout where unsure) into short [H, S, (E // BLOCK_N) * SHORT]; rows past S left
+    out. coln: the block's columns, in cols_layout (acc's column slice)."""
+    if HAS_BIAS:
+        bias_n = gl.load(bias_ptr + h * E + coln)
+    else:
+        bias_n = gl.zeros([BLOCK_N], gl.float32, cols_layout)
+    scol = gl.arange(0, SHORT, layout=cols_layout)[None, :]
+    keys, unsure = R._shortlist(acc, coln, bias_n, scol, E, TOP_K, SHORT, BLOCK_N, HAS_BIAS,
+                                R.SIGMOID_APPROX_ERROR, False)
+    so = ((h.to(gl.int64) * S + rows) * (E // BLOCK_N) + n)[:, None] * SHORT + scol
+    gl.store(short_ptr + so, gl.where(unsure[:, None], 0, keys).to(gl.int32, bitcast=True),
+             mask=(rows < S)[:, None])
+
+
+@gluon.jit
 def _mma_partition(WHICH: gl.constexpr, xbufs, wbufs, ready, empty, cbuf, l_desc, logits_ptr,
                    bias_ptr, short_ptr, counts_ptr, S, H, NB, CB, num_tiles, D: gl.constexpr,
                    E: gl.constexpr, TOP_K: gl.constexpr, SHORT: gl.constexpr,
@@ -118,13 +187,10 @@ def _mma_partition(WHICH: gl.constexpr, xbufs, wbufs, ready, empty, cbuf, l_desc
     ring of NSTAGE stages (slots WHICH * NSTAGE ...). Per tile: the MMAs, then
     the epilogue of `_logits_route_kernel` (ROUTE=False, bulk stores, shortlists)."""
     NSPLIT: gl.constexpr = E // BLOCK_N
-    KSTEPS: gl.constexpr = D // BLOCK_D
-    STEPS: gl.constexpr = 2 * KSTEPS
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
     rows_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
     cols_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
-    zero_layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     it = 0  # steps taken from this warpgroup's ring
@@ -132,24 +198,8 @@ def _mma_partition(WHICH: gl.constexpr, xbufs, wbufs, ready, empty, cbuf, l_desc
         b, h, n = _tile(t, NB, NSPLIT)
         s0 = b * BLOCK_S
         n0 = n * BLOCK_N
-        acc = gl.zeros([BLOCK_S, BLOCK_N], gl.float32, acc_layout)
-        prev = 0
-        for s in gl.static_range(STEPS):
-            slot = WHICH * NSTAGE + it % NSTAGE
-            mbarrier.wait(ready.index(slot), (it // NSTAGE) & 1)
-            xs = xbufs.index(slot)
-            acc = warpgroup_mma(xs, wbufs.index(2 * slot).permute((1, 0)), acc, is_async=True)
-            if s < KSTEPS:
-                acc = warpgroup_mma(xs, wbufs.index(2 * slot + 1).permute((1, 0)), acc,
-                                    is_async=True)
-            # All but the newest MMA retired: the previous step's stage is free.
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-            if s > 0:
-                mbarrier.arrive(empty.index(prev), count=1)
-            prev = slot
-            it += 1
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(empty.index(prev), count=1)
+        acc, it = _tile_products(xbufs, wbufs, ready, empty, it, WHICH * NSTAGE, acc_layout, D,
+                                 BLOCK_S, BLOCK_N, BLOCK_D, NSTAGE)
 
         # The tile leaves through shared memory by a bulk store (rows past S clipped);
         # the previous tile's store must have read cbuf first.
@@ -165,27 +215,10 @@ def _mma_partition(WHICH: gl.constexpr, xbufs, wbufs, ready, empty, cbuf, l_desc
             gl.store(logits_ptr + base[:, None] + coln[None, :], acc, mask=(rows < S)[:, None])
 
         if EPI and COUNT_T > 0:
-            # The counts blocks whose first token lies in the tile: zeroed, their columns.
-            NJ: gl.constexpr = (BLOCK_S + COUNT_T - 1) // COUNT_T
-            first = s0 + gl.arange(0, NJ, layout=gl.SliceLayout(1, zero_layout)) * COUNT_T
-            clear = (first % COUNT_T == 0) & (first < S)
-            crow = (h * CB + first // COUNT_T).to(gl.int64)
-            ccol = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, zero_layout))
-            gl.store(counts_ptr + crow[:, None] * E + ccol[None, :],
-                     gl.zeros([NJ, BLOCK_N], gl.int32, zero_layout), mask=clear[:, None])
-
+            _zero_counts(counts_ptr, s0, n0, h, S, CB, E, BLOCK_S, BLOCK_N, COUNT_T)
         if EPI:
-            if HAS_BIAS:
-                bias_n = gl.load(bias_ptr + h * E + coln)
-            else:
-                bias_n = gl.zeros([BLOCK_N], gl.float32, cols_layout)
-            scol = gl.arange(0, SHORT, layout=cols_layout)[None, :]
-            keys, unsure = R._shortlist(acc, coln, bias_n, scol, E, TOP_K, SHORT, BLOCK_N,
-                                        HAS_BIAS, R.SIGMOID_APPROX_ERROR, False)
-            so = ((h.to(gl.int64) * S + rows) * NSPLIT + n)[:, None] * SHORT + scol
-            gl.store(short_ptr + so,
-                     gl.where(unsure[:, None], 0, keys).to(gl.int32, bitcast=True),
-                     mask=(rows < S)[:, None])
+            _store_shortlist(acc, rows, coln, h, n, bias_ptr, short_ptr, S, E, TOP_K, SHORT,
+                             BLOCK_N, HAS_BIAS, cols_layout)
         if STORE == 0 and not EPI:
             # Keep the MMAs: the tile's sum leaves.
             gl.store(logits_ptr + t, gl.sum(gl.sum(acc, 1), 0))
