@@ -53,6 +53,9 @@ from logits_gluon_ws import (
     _tile,
     _tile_products,
     _zero_counts,
+    ptxas_info,
+    route_with_lists,
+    ws_descriptors,
 )
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -61,7 +64,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier,
     tma,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mhmoe.kernels import routing as R
 
@@ -196,24 +198,13 @@ def _logits_ws_kernel(x_desc, w_desc, l_desc, bias_ptr, short_ptr, counts_ptr, S
     ], [4, 4, 1], [EPI_REGS, EPI_REGS, LOAD_REGS])
 
 
-def descriptors(x2d: torch.Tensor, parts2d: torch.Tensor, logits: torch.Tensor):
-    """Gluon tensor descriptors of x [S, H * D] bf16, the weight parts [3 * H * E, D] bf16
-    and the logits [H, S, E] fp32, in the kernel's boxes."""
-    def desc(t, box):
-        dtype = gl.float32 if t.dtype == torch.float32 else gl.bfloat16
-        return TensorDescriptor.from_tensor(t, box, gl.NVMMASharedLayout.get_default_for(box,
-                                                                                        dtype))
-    return (desc(x2d, [BLOCK_S, BLOCK_D]), desc(parts2d, [BLOCK_N, BLOCK_D]),
-            desc(logits, [1, BLOCK_S, BLOCK_N]))
-
-
 def launch_logits_ws(x2d, parts2d, logits, bias, short, counts, S: int, H: int, D: int,
                      E: int, top_k: int, count_t: int, has_bias: bool,
                      programs: int | None = None, diag: int = 0) -> None:
     """`_logits_ws_kernel` on one persistent program an SM (or `programs`). counts: the
     [H, cdiv(S, count_t), E] int32 layout counts it zeroes (count_t > 0), else any int32
     tensor (unused)."""
-    x_desc, w_desc, l_desc = descriptors(x2d, parts2d, logits)
+    x_desc, w_desc, l_desc = ws_descriptors(x2d, parts2d, logits, BLOCK_S, BLOCK_N, BLOCK_D)
     nb = triton.cdiv(S, BLOCK_S)
     num_tiles = nb * H * (E // BLOCK_N)
     if programs is None:
@@ -232,9 +223,9 @@ def sm90_signature(top_k: int = 6, E: int = 256, D: int = 256, H: int = 12,
     compiling it without a GPU (`sass_audit`)."""
     from triton.runtime.jit import mangle_type
 
-    xd, wd, ld = descriptors(torch.empty(256, H * D, dtype=torch.bfloat16),
-                             torch.empty(3 * H * E, D, dtype=torch.bfloat16),
-                             torch.empty(H, 256, E))
+    xd, wd, ld = ws_descriptors(torch.empty(256, H * D, dtype=torch.bfloat16),
+                                torch.empty(3 * H * E, D, dtype=torch.bfloat16),
+                                torch.empty(H, 256, E), BLOCK_S, BLOCK_N, BLOCK_D)
     sig = {"x_desc": mangle_type(xd), "w_desc": mangle_type(wd), "l_desc": mangle_type(ld),
            "bias_ptr": "*fp32", "short_ptr": "*i32", "counts_ptr": "*i32", "S": "i32",
            "H": "i32", "NB": "i32", "CB": "i32", "num_tiles": "i32"}
@@ -244,21 +235,11 @@ def sm90_signature(top_k: int = 6, E: int = 256, D: int = 256, H: int = 12,
 
 
 def compile_only() -> None:
-    import subprocess
-    import tempfile
-
     from mhmoe.kernels import sass_audit
 
     sig, cx = sm90_signature()
     k = sass_audit.compile_sm90(_logits_ws_kernel, sig, cx, 4, 1, ("S",), MAXNREG)
-    with tempfile.TemporaryDirectory() as tmp:
-        with open(tmp + "/k.ptx", "w") as f:
-            f.write(k.asm["ptx"])
-        info = subprocess.run([sass_audit.toolchain()[0], "-arch=sm_90a", "-v", tmp + "/k.ptx",
-                               "-o", tmp + "/k.cubin"], capture_output=True, text=True).stderr
-    regs = [ln.split(":")[-1].strip() for ln in info.splitlines()
-            if "registers" in ln or "spill" in ln]
-    print(f"shared {k.metadata.shared} B, {k.metadata.num_warps} warps; {'; '.join(regs)}")
+    print(f"shared {k.metadata.shared} B, {k.metadata.num_warps} warps; {ptxas_info(k)}")
 
 
 def diag(out_path: str) -> None:
@@ -286,32 +267,6 @@ def diag(out_path: str) -> None:
         json.dump({"device": torch.cuda.get_device_name(), "ms": res}, f, indent=1)
 
 
-def route_ws(x, gate, top_k, expert_bias=None, route_norm=True, norm_eps=1e-12,
-             route_scale=1.0, count_block_t=None, score_func="sigmoid"):
-    """`triton_logits_route(x, gate, ..., return_logits=True)` with this kernel for the
-    logits and lists: (probs, indices, logits, counts or None), as the default returns
-    them (sigmoid scores, no groups: the shortlists' domain)."""
-    assert score_func == "sigmoid"
-    S, H, D = x.shape
-    E = gate.shape[1]
-    dev = x.device
-    probs = torch.empty(H, S, top_k, device=dev)
-    indices = torch.empty(H, S, top_k, device=dev, dtype=torch.int64)
-    logits = torch.empty(H, S, E, device=dev)
-    short = torch.empty(H, S, (E // BLOCK_N) * R.shortlist_size(top_k, BLOCK_N), device=dev,
-                        dtype=torch.int32)
-    counts = (None if count_block_t is None else
-              torch.empty(H, triton.cdiv(S, count_block_t), E, device=dev, dtype=torch.int32))
-    bias = R._bias_arg(expert_bias, H, E, probs)
-    parts = R.split_router_weight(gate).view(3 * H * E, D)
-    launch_logits_ws(x.reshape(S, H * D), parts, logits, bias, short,
-                     short if counts is None else counts, S, H, D, E, top_k,
-                     count_block_t or 0, expert_bias is not None)
-    R._launch_shortlist_route(short, logits, top_k, expert_bias, route_norm, norm_eps,
-                              route_scale, probs, indices, counts, count_block_t or 0)
-    return probs, indices, logits, counts
-
-
 def gpu(out_path: str) -> None:
     import json
 
@@ -327,7 +282,7 @@ def gpu(out_path: str) -> None:
     def chain(name, xx=x, keep=True, **over):
         k = {**kw, **over}
         if name == "ws":
-            probs, indices, logits, counts = route_ws(xx, gate, **k)
+            probs, indices, logits, counts = route_with_lists(launch_logits_ws, xx, gate, **k)
         else:
             res = R.triton_logits_route(xx, gate, return_logits=True, **k)
             probs, indices, logits = res[:3]

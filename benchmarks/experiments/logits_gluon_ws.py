@@ -304,42 +304,69 @@ def launch_logits_ws(x2d, parts2d, logits, bias, short, counts, S: int, H: int, 
         STORE=store, EPI=epilogue, num_warps=4, maxnreg=MAXNREG)
 
 
-def route_ws(x, gate, kw, stages: int, store: int, epilogue: bool, return_logits=False):
-    """`triton_logits_route(x, gate, **kw)` on the default's tiles with this kernel for the
-    logits: (probs, indices, logits or None, counts), as the default returns them."""
+def route_with_lists(launch, x, gate, top_k, expert_bias=None, route_norm=True,
+                     norm_eps=1e-12, route_scale=1.0, count_block_t=None, score_func="sigmoid"):
+    """`triton_logits_route(x, gate, ..., return_logits=True)` with an experimental kernel
+    for the logits, lists and counts: (probs, indices, logits, counts or None), as the
+    default returns them (sigmoid scores, no groups: the shortlists' domain). launch(x2d,
+    parts2d, logits, bias, short, counts, S, H, D, E, top_k, count_t, has_bias) runs the
+    kernel (counts: a placeholder int32 tensor when count_t is 0); the shortlist route
+    kernel then routes from its lists."""
     import torch
 
+    assert score_func == "sigmoid"
     S, H, D = x.shape
     E = gate.shape[1]
-    K = kw["top_k"]
     dev = x.device
-    probs = torch.empty(H, S, K, device=dev)
-    indices = torch.empty(H, S, K, device=dev, dtype=torch.int64)
+    probs = torch.empty(H, S, top_k, device=dev)
+    indices = torch.empty(H, S, top_k, device=dev, dtype=torch.int64)
     logits = torch.empty(H, S, E, device=dev)
-    count_t = kw["count_block_t"]
-    counts = torch.empty(H, triton.cdiv(S, count_t), E, device=dev, dtype=torch.int32)
-    short_n = R.shortlist_size(K, 128)
-    short = torch.empty(H, S, (E // 128) * short_n, device=dev, dtype=torch.int32)
-    bias = R._bias_arg(kw["expert_bias"], H, E, probs)
-    parts = R.split_router_weight(gate)
-    launch_logits_ws(x.reshape(S, H * D), parts.view(3 * H * E, D), logits, bias, short, counts,
-                     S, H, D, E, K, short_n, count_t, True, stages=stages, store=store,
-                     epilogue=epilogue)
-    R._launch_shortlist_route(short, logits, K, kw["expert_bias"], kw["route_norm"],
-                              kw["norm_eps"], kw["route_scale"], probs, indices, counts, count_t)
+    short = torch.empty(H, S, (E // 128) * R.shortlist_size(top_k, 128), device=dev,
+                        dtype=torch.int32)
+    counts = (None if count_block_t is None else
+              torch.empty(H, triton.cdiv(S, count_block_t), E, device=dev, dtype=torch.int32))
+    bias = R._bias_arg(expert_bias, H, E, probs)
+    parts = R.split_router_weight(gate).view(3 * H * E, D)
+    launch(x.reshape(S, H * D), parts, logits, bias, short, short if counts is None else counts,
+           S, H, D, E, top_k, count_block_t or 0, expert_bias is not None)
+    R._launch_shortlist_route(short, logits, top_k, expert_bias, route_norm, norm_eps,
+                              route_scale, probs, indices, counts, count_block_t or 0)
+    return probs, indices, logits, counts
+
+
+def route_ws(x, gate, kw, stages: int, store: int, epilogue: bool, return_logits=False):
+    """`route_with_lists` with this kernel on the default's tiles: (probs, indices, logits
+    or None, counts). The kernel is told a bias is given (the router inputs have one)."""
+    def launch(x2d, parts2d, logits, bias, short, counts, S, H, D, E, top_k, count_t, _):
+        launch_logits_ws(x2d, parts2d, logits, bias, short, counts, S, H, D, E, top_k,
+                         R.shortlist_size(top_k, 128), count_t, True, stages=stages,
+                         store=store, epilogue=epilogue)
+
+    probs, indices, logits, counts = route_with_lists(launch, x, gate, **kw)
     return probs, indices, logits if return_logits else None, counts
+
+
+def ptxas_info(kernel) -> str:
+    """`ptxas -v`'s registers and spills of a kernel compiled here for sm_90 (its PTX)."""
+    import subprocess
+    import tempfile
+
+    from mhmoe.kernels.sass_audit import toolchain
+
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(tmp + "/k.ptx", "w") as f:
+            f.write(kernel.asm["ptx"])
+        info = subprocess.run([toolchain()[0], "-arch=sm_90a", "-v", tmp + "/k.ptx", "-o",
+                               tmp + "/k.cubin"], capture_output=True, text=True).stderr
+    return "; ".join(ln.split(":")[-1].strip() for ln in info.splitlines()
+                     if "registers" in ln or "spill" in ln)
 
 
 def compile_only() -> None:
     """Compile each variant for sm_90 here (no GPU): registers, spills, shared memory."""
-    import subprocess
-    import tempfile
-
     import torch
     from triton.backends.compiler import GPUTarget
     from triton.runtime.jit import mangle_type
-
-    from mhmoe.kernels.sass_audit import toolchain
 
     H, D, E = 12, 256, 256
     xd, wd, ld = ws_descriptors(torch.empty(256, H * D, dtype=torch.bfloat16),
@@ -361,15 +388,8 @@ def compile_only() -> None:
             attrs=attrs)
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                            options={"num_warps": 4, "maxnreg": MAXNREG})
-        with tempfile.TemporaryDirectory() as tmp:
-            with open(tmp + "/k.ptx", "w") as f:
-                f.write(k.asm["ptx"])
-            info = subprocess.run([toolchain()[0], "-arch=sm_90a", "-v", tmp + "/k.ptx", "-o",
-                                   tmp + "/k.cubin"], capture_output=True, text=True).stderr
-        regs = [ln.split(":")[-1].strip() for ln in info.splitlines()
-                if "registers" in ln or "spill" in ln]
         print(f"stages {stages} store {store} epilogue {epi}: shared {k.metadata.shared} B, "
-              f"{k.metadata.num_warps} warps; {'; '.join(regs)}", flush=True)
+              f"{k.metadata.num_warps} warps; {ptxas_info(k)}", flush=True)
 
 
 def gpu(out_path: str, variant: str) -> None:
