@@ -301,7 +301,7 @@ def test_keyed_margin_flags_exactly_the_rows_it_must():
 def _shortlist_probe_kernel(logits_ptr, bias_ptr, short_ptr, S, E: tl.constexpr,
                             TOP_K: tl.constexpr, SHORT: tl.constexpr, BLOCK_S: tl.constexpr,
                             BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, ERROR: tl.constexpr,
-                            INTERPRET: tl.constexpr):
+                            INTERPRET: tl.constexpr, MERGED: tl.constexpr):
     # The logits kernel's shortlist epilogue on a tile read from logits [H, S, E] (so
     # that hand-made logits reach it), written as the logits kernel writes it.
     NSPLIT: tl.constexpr = E // BLOCK_N
@@ -313,15 +313,16 @@ def _shortlist_probe_kernel(logits_ptr, bias_ptr, short_ptr, S, E: tl.constexpr,
     acc = tl.load(logits_ptr + (h * S + rows)[:, None] * E + col[None, :],
                   mask=(rows < S)[:, None], other=0.0)
     kr._write_shortlist(acc, b * BLOCK_S, h, n, bias_ptr, short_ptr, S, E, TOP_K, SHORT,
-                        BLOCK_S, BLOCK_N, HAS_BIAS, ERROR, INTERPRET)
+                        BLOCK_S, BLOCK_N, HAS_BIAS, ERROR, INTERPRET, MERGED)
 
 
 def _shortlist_route(logits, top_k, bias, block_n, count_t, block_rows=None, error=None,
-                     route_error=None):
+                     route_error=None, merged=False):
     """Shortlists of logits [H, S, E] by the logits kernel's epilogue, then the shortlist
     route kernel: (probs, indices, counts, shortlists: packed keys, 0 where unsure).
     error, route_error: the approximate sigmoid's bound in the lists' and the route's
-    margins (default: the real one)."""
+    margins (default: the real one). merged: the lists by sorting networks
+    (`_shortlist_merged`), else by rounds."""
     H, S, E = logits.shape
     short_n = kr.shortlist_size(top_k, block_n)
     logits = logits.to(DEVICE).contiguous()
@@ -331,7 +332,7 @@ def _shortlist_route(logits, top_k, bias, block_n, count_t, block_rows=None, err
         logits, logits if b is None else b, short, S, E=E, TOP_K=top_k, SHORT=short_n,
         BLOCK_S=32, BLOCK_N=block_n, HAS_BIAS=b is not None,
         ERROR=kr.SIGMOID_APPROX_ERROR.value if error is None else error,
-        INTERPRET=kr._interpreting())
+        INTERPRET=kr._interpreting(), MERGED=merged)
     probs = torch.empty(H, S, top_k, device=DEVICE)
     indices = torch.empty(H, S, top_k, dtype=torch.int64, device=DEVICE)
     counts = torch.zeros(H, triton.cdiv(S, count_t), E, dtype=torch.int32, device=DEVICE)
@@ -343,15 +344,18 @@ def _shortlist_route(logits, top_k, bias, block_n, count_t, block_rows=None, err
 # numpy warns on the interpreter's inf - inf of NaN rows (NaN, as in torch)
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 @pytest.mark.parametrize("bias_scale", [None, 0.02, 1e4])
-@pytest.mark.parametrize("E,K,block_n", [
-    (256, 6, 128),  # MAGI-2: two column blocks of 128, lists of 8
-    (32, 3, 16),    # lists of 4 of 16
-    (64, 7, 16),    # lists of 8 = K + 1
-    (32, 16, 16),   # K >= the block: every expert listed, no row unsure
-    (16, 1, 16),    # one block, K = 1
-    (16, 4, 16),    # one block, lists of K: no (K + 1)-th key to check
+@pytest.mark.parametrize("E,K,block_n,merged", [
+    (256, 6, 128, False),  # MAGI-2: two column blocks of 128, lists of 8
+    (256, 6, 128, True),   # the same lists by sorting networks (the sm_90 default)
+    (64, 3, 64, True),     # networks: lists of 4, groups of 16
+    (64, 5, 64, True),     # networks: lists of 8, groups of 16
+    (32, 3, 16, False),    # lists of 4 of 16
+    (64, 7, 16, False),    # lists of 8 = K + 1
+    (32, 16, 16, False),   # K >= the block: every expert listed, no row unsure
+    (16, 1, 16, False),    # one block, K = 1
+    (16, 4, 16, False),    # one block, lists of K: no (K + 1)-th key to check
 ])
-def test_shortlist_route_equals_exact_rounds(rng, bias_scale, E, K, block_n):
+def test_shortlist_route_equals_exact_rounds(rng, bias_scale, E, K, block_n, merged):
     # Each column block lists its next_pow2(K) largest keys per row (or marks the row
     # unsure); the route kernel takes the exact top K from the lists (in the keys' order
     # where they prove it, else by the exact rounds on the listed logits: both occur
@@ -370,7 +374,8 @@ def test_shortlist_route_equals_exact_rounds(rng, bias_scale, E, K, block_n):
                          None if bias is None else bias.to(DEVICE), True, 1e-12, 4.9,
                          keyed=False, count_block_t=4)
     for block_rows in (None, 2):
-        p, i, c, short = _shortlist_route(logits, K, bias, block_n, 4, block_rows)
+        p, i, c, short = _shortlist_route(logits, K, bias, block_n, 4, block_rows,
+                                          merged=merged)
         assert torch.equal(i, exact[1]) and torch.equal(c, exact[2])
         assert torch.equal(p.nan_to_num(7.0), exact[0].nan_to_num(7.0))
     sure = ~(short == 0).any(-1).cpu()
@@ -397,13 +402,48 @@ def test_shortlist_margin_is_needed():
     logits[0, :, 1] = 8.0
     logits[0, :, 0] = x + 2.6e-6
     logits[0, :, 2] = x
-    exact = triton_route(logits.to(DEVICE), K, keyed=False, route_scale=4.9, count_block_t=4)
+    exact, i0 = _margin_case(logits, K, None, 16, merged=False)
     assert (exact[1][0, :, 1] == 0).all()
-    p, i, c, short = _shortlist_route(logits, K, None, 16, 4, 2)
+    assert (i0[0, :, 1] == 2).sum() >= S // 4
+
+
+def _margin_case(logits, K, bias, block_n, merged):
+    """The exact route of logits [H, S, E] (whole rows, exact rounds); asserted: the lists'
+    route with the real error bound equals it, every list unsure. Returns (exact, the
+    indices routed from lists made with the error bound set to 0)."""
+    b = None if bias is None else bias.to(DEVICE)
+    exact = triton_route(logits.to(DEVICE), K, "sigmoid", b, True, 1e-12, 4.9, keyed=False,
+                         count_block_t=4)
+    p, i, c, short = _shortlist_route(logits, K, bias, block_n, 4, 2, merged=merged)
     assert torch.equal(i, exact[1]) and torch.equal(p, exact[0]) and torch.equal(c, exact[2])
     assert (short == 0).all()
-    _, i0, _, _ = _shortlist_route(logits, K, None, 16, 4, 2, error=0.0)
-    assert (i0[0, :, 1] == 2).sum() >= S // 4
+    return exact, _shortlist_route(logits, K, bias, block_n, 4, 2, error=0.0, merged=merged)[1]
+
+
+def test_merged_shortlist_margin_is_needed():
+    # The sorting networks' lists take their margin between the K-th and the last listed
+    # key. Rows (K = 3, lists of 4, one block of E = 32) where the interpreter's approximate
+    # sigmoid reverses a near-tied group: columns 0 and 3 (moved down) have the best exact
+    # scores after column 9, columns 2 and 5 (moved up) the worst, 1 and 4 in between, all
+    # within a few ulps, at x spread over the keys' buckets. With the error bound set to 0
+    # many rows list 9, 2, 5, 1, which miss the exact picks 9, 0, 3, and route wrongly; with
+    # the real bound every such row is unsure and the route is exact (whole rows).
+    if not kr._interpreting():
+        pytest.skip("relies on the interpreter's perturbed sigmoid")
+    H, S, E, K = 1, 64, 32, 3
+    logits = torch.full((H, S, E), -6.0)
+    # Sigmoids near 0.82 (steps of 1e-6 in x: 2.5 ulps; the swap: 1.6e-6), shifted by the
+    # bias to ~0.1, where E = 32's buckets (32 ulps) are 2.4e-7 wide.
+    x = 1.5 + torch.arange(S) * 7.3e-7
+    logits[0, :, 9] = 8.0
+    logits[0, :, [0, 3]] = (x + 2e-6)[:, None]
+    logits[0, :, [1, 4]] = (x + 1e-6)[:, None]
+    logits[0, :, [2, 5]] = x[:, None]
+    bias = torch.zeros(H, E)
+    bias[:, :6] = -0.72
+    exact, i0 = _margin_case(logits, K, bias, 32, merged=True)
+    assert (exact[1][0].cpu() == torch.tensor([9, 0, 3])).all()
+    assert (i0.cpu() != exact[1].cpu()).any(-1).sum() >= S // 4
 
 
 def test_shortlist_route_takes_both_paths(rng):
@@ -418,7 +458,7 @@ def test_shortlist_route_takes_both_paths(rng):
     logits[:, :S // 2, 0], logits[:, :S // 2, 2] = x + 3.5e-6, x
     bias = torch.randn(H, E, generator=rng) * 0.02
     bias[:, 0] = bias[:, 2]
-    p, i, c, short = _shortlist_route(logits, K, bias, 128, 4)
+    p, i, c, short = _shortlist_route(logits, K, bias, 128, 4, merged=True)
     tied = kr.shortlist_tied_rows(short, K, E)
     keyed = (short != 0).all(-1).cpu() & ~tied
     assert (tied.sum(1) > 0).all() and (keyed.sum(1) > 0).all(), (tied, keyed)
@@ -426,6 +466,30 @@ def test_shortlist_route_takes_both_paths(rng):
                          keyed=False, count_block_t=4)
     assert torch.equal(i, exact[1]) and torch.equal(c, exact[2])
     assert torch.equal(p.nan_to_num(7.0), exact[0].nan_to_num(7.0))
+
+
+@pytest.mark.parametrize("E,K,block_n", [(256, 6, 128), (64, 3, 64), (32, 3, 32), (64, 5, 64)])
+def test_merged_shortlists_are_the_rounds_lists(rng, E, K, block_n):
+    # The sorting networks' lists (`_shortlist_merged`) against the rounds' (`_shortlist`):
+    # the same keys in the same order wherever both are sure, and never sure where the
+    # rounds' are not (their margin is taken to the SHORT-th key, not the (SHORT + 1)-th:
+    # stricter). Random rows, hard rows (ties, near-ties, inf, NaN), and rows whose best
+    # keys all sit in one thread's group (columns 0 mod 8 and 1 mod 8: group 0).
+    H, S = 2, 40
+    logits = torch.cat([torch.randn(H, 20, E, generator=rng), _hard_logits(rng, H, 20, E)], 1)
+    group0 = torch.arange(E) % 8 < 2
+    logits[:, :6, group0] += 4.0
+    bias = torch.randn(H, E, generator=rng) * 0.02
+    rounds = _shortlist_route(logits, K, bias, block_n, 4)[3].cpu()
+    merged = _shortlist_route(logits, K, bias, block_n, 4, merged=True)[3].cpu()
+    short = kr.shortlist_size(K, block_n)
+    r = rounds.view(H, S, -1, short)
+    m = merged.view(H, S, -1, short)
+    sure_r, sure_m = (r != 0).all(-1), (m != 0).all(-1)
+    assert not (sure_m & ~sure_r).any()
+    assert torch.equal(m[sure_m], r[sure_m])
+    assert sure_m[:, :20].float().mean() > 0.9  # random rows are sure
+    assert sure_m[:, :6].all()  # the one-group rows too: no key lost
 
 
 @pytest.mark.parametrize("case", ["across_blocks", "within_block"])
@@ -864,10 +928,12 @@ def test_fused_tile_choice_does_not_change_results(rng, config):
     for block_e, halves, tma, short in (
             (16, False, False, False), (32, True, False, False), (128, True, False, False),
             (32, True, True, False), (16, False, True, False), (128, False, True, False),
-            (16, False, True, True), (32, True, False, True), (128, False, True, True)):
+            (16, False, True, True), (32, True, False, True), (128, False, True, True),
+            (128, False, True, "merged")):
         part = LogitsRouteConfig(config.block_s, config.block_d, config.num_warps, 1, False,
                                  split=True, half_stores=halves, block_e=block_e,
-                                 tma_store=tma, shortlist=short)
+                                 tma_store=tma, shortlist=bool(short),
+                                 merged_lists=short == "merged")
         p5, i5, logits5 = triton_logits_route(x.to(DEVICE), gate.to(DEVICE), 6, "sigmoid",
                                               bias.to(DEVICE), True, 1e-12, 4.9, config=part,
                                               return_logits=True)

@@ -267,6 +267,33 @@ def test_triton_routing_ops_registration(rng):
     torch.library.opcheck(_sort_routes_triton_op, (probs.requires_grad_(), indices, 8))
 
 
+def test_triton_layout_writes_positions_only_for_a_gradient(rng):
+    # The Triton layout's positions (the backward's gather) are written only when probs
+    # needs a gradient: the op returns an empty tensor without, H*S*K places with; the
+    # layout is the reference's either way, and the gradient through sorted_probs too.
+    from mhmoe.routing import _sort_routes_triton_op
+
+    H, S, E, K = 2, 7, 8, 3
+    probs, indices = mhmoe.route(torch.randn(H, S, E, generator=rng), K)
+    ref = mhmoe.sort_routes(probs, indices, E, backend="torch")
+    for with_positions in (False, True):
+        sp, gi, off, pos = _sort_routes_triton_op(probs, indices, E, None, with_positions)
+        assert pos.numel() == (H * S * K if with_positions else 0)
+        assert torch.equal(gi, ref.gather_ids) and torch.equal(off, ref.offsets)
+        assert torch.equal(sp, ref.sorted_probs)
+    assert torch.equal(sp[pos.long()], probs.flatten())
+    p = probs.clone().requires_grad_()
+    g = torch.randn(H * S * K, generator=rng)
+    (mhmoe.sort_routes(p, indices, E, backend="triton").sorted_probs * g).sum().backward()
+    p_ref = probs.clone().requires_grad_()
+    (mhmoe.sort_routes(p_ref, indices, E, backend="torch").sorted_probs * g).sum().backward()
+    assert torch.equal(p.grad, p_ref.grad)
+    # a graph built without positions cannot run backward: a clear error, not garbage
+    sp, *_ = _sort_routes_triton_op(probs.clone().requires_grad_(), indices, E, None, False)
+    with pytest.raises(RuntimeError, match="without positions"):
+        sp.sum().backward()
+
+
 def test_triton_routing_refuses_float64():
     with pytest.raises(ValueError, match="float32"):
         mhmoe.route(torch.randn(1, 2, 4, dtype=torch.float64), 2, backend="triton")

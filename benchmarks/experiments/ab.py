@@ -22,6 +22,9 @@ benchmarks/experiments/skip.patch applied, as skip). hints (L2 eviction hints, `
 0-3 of the cluster variant, 0-1 of the one-CTA kernel, a control of each 0; needs
 benchmarks/experiments/l2_hints.patch applied). Both were measured in session 14 and not
 kept (benchmarks/NOTES.md); `git apply` the patch, run, then `git checkout` the kernel.
+records (routing v15: the expert forward reading the layout's records in place, stride 2,
+against contiguous copies of gather_ids and sorted_probs; needs
+benchmarks/experiments/records.patch applied: measured, not kept).
 """
 
 from __future__ import annotations
@@ -112,6 +115,28 @@ def hint_variants(gen):
             + [("c1_hints0_control", variant(WS, 0))])
 
 
+def record_variants(gen):
+    """Routing v15: the default expert forward (clusters at S = 32768) on one layout read
+    as `sort_routes` gives it (gather_ids and sorted_probs, views of stride 2 into the
+    records) and from contiguous copies of the same two arrays, with a control of each."""
+    from mhmoe.kernels.expert_forward import expert_forward_config
+
+    wg, wu, wd = B.make_weights(gen)
+    x, lay = uniform_problem(32768, gen)
+    assert lay.gather_ids.stride() == (2,), lay.gather_ids.stride()
+    flat = (lay.gather_ids.contiguous(), lay.sorted_probs.contiguous(), lay.offsets)
+    cfg = expert_forward_config(x.device, lay.gather_ids.numel() / (B.H * B.E), B.D, wd.dtype)
+
+    def variant(layout):
+        return lambda: triton_expert_forward(x, *layout, wg, wu, wd, config=cfg)
+
+    a, b = variant(tuple(lay)), variant(flat)
+    if not torch.equal(a(), b()):  # fp32 atomics: the same values up to their order
+        torch.testing.assert_close(a(), b(), rtol=1e-2, atol=1e-2)
+    return [("strided", a), ("contiguous", b), ("strided_control", a),
+            ("contiguous_control", b)]
+
+
 def main():
     out_path, what = sys.argv[1], sys.argv[2]
     gen = torch.Generator(device="cuda").manual_seed(4321)
@@ -125,6 +150,8 @@ def main():
                                    + [("c2_skip0_control", v["c2_skip0"]),
                                       ("c2_skip1_control", v["c2_skip1"])])
         ws.SKIP_EMPTY_HALVES = True
+    if what == "records":
+        res["records"] = interleaved(record_variants(gen))
     if what == "hints":
         res["hints"] = interleaved(hint_variants(gen))
         ws.L2_HINTS = 0

@@ -63,6 +63,30 @@ def time_interleaved(graphs: dict, eager: dict, res: dict, rounds: int = 4) -> N
         print(name, json.dumps(res[name]), flush=True)
 
 
+def shuffled_replays(graphs: dict, rounds: int, replays: int) -> dict:
+    """{name: [the median of each round's replay times, ms]}: `rounds` rounds, the graphs
+    in a shuffled (seeded) order each round, `replays` replays a graph a round, each timed
+    by its own pair of events (no L2 flush between them)."""
+    import random
+    import statistics
+
+    import torch
+
+    times = {n: [] for n in graphs}
+    order = random.Random(0)
+    for _ in range(rounds):
+        for n in order.sample(list(graphs), len(graphs)):
+            ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(replays)]
+            for e0, e1 in ev:
+                e0.record()
+                graphs[n].replay()
+                e1.record()
+            torch.cuda.synchronize()
+            times[n].append(statistics.median(e0.elapsed_time(e1) for e0, e1 in ev))
+    return times
+
+
 def experiment_main(compile_only, gpu) -> None:
     """The command line of the experiment scripts with a compile-only mode:
     `--compile-only` compiles for sm_90 here (no GPU), else `OUT.json` runs on the GPU."""

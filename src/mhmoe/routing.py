@@ -299,8 +299,10 @@ def sort_routes(probs: torch.Tensor, indices: torch.Tensor, num_experts: int, *,
         raise ValueError(f"sort_routes: block_counts must be a tensor or None, got "
                          f"{type(block_counts).__name__}")
     if _path(backend, probs, "sort_routes", "probs") == "triton":
-        sorted_probs, gather_ids, offsets, _ = _sort_routes_triton_op(probs, indices,
-                                                                     num_experts, block_counts)
+        # positions (the backward's gather) only where a gradient may flow to probs.
+        sorted_probs, gather_ids, offsets, _ = _sort_routes_triton_op(
+            probs, indices, num_experts, block_counts,
+            torch.is_grad_enabled() and probs.requires_grad)
         return RouteLayout(gather_ids, sorted_probs, offsets)
     return RouteLayout(*sort_routes_reference(probs, indices, num_experts))
 
@@ -436,41 +438,49 @@ _logits_route_triton_op.register_autograd(_logits_route_backward,
 @torch.library.custom_op("mhmoe::sort_routes_triton", mutates_args=())
 def _sort_routes_triton_op(
     probs: torch.Tensor, indices: torch.Tensor, num_experts: int,
-    block_counts: torch.Tensor | None = None,
+    block_counts: torch.Tensor | None = None, with_positions: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sorted_probs, gather_ids, offsets, positions): the float output first, as
     torch.library's op checks expect. block_counts: a routing op's counts of these
-    indices (at layout_block_t(K)), which replace the layout's count step."""
+    indices (at layout_block_t(K)), which replace the layout's count step. positions
+    (what the backward of sorted_probs needs) only if with_positions, else an empty
+    [0] tensor (nothing written)."""
     from .kernels.routing import triton_sort_routes
 
-    gather_ids, sorted_probs, offsets, positions = triton_sort_routes(
-        probs, indices, num_experts, block_counts=block_counts, return_positions=True)
-    return sorted_probs, gather_ids, offsets, positions
+    out = triton_sort_routes(probs, indices, num_experts, block_counts=block_counts,
+                             return_positions=with_positions)
+    positions = out[3] if with_positions else indices.new_empty(0, dtype=torch.int32)
+    return out[1], out[0], out[2], positions
 
 
 @_sort_routes_triton_op.register_fake
-def _sort_routes_triton_fake(probs, indices, num_experts, block_counts=None):
+def _sort_routes_triton_fake(probs, indices, num_experts, block_counts=None,
+                             with_positions=True):
     H, S, K = indices.shape
     R = H * S * K
     return (probs.new_empty(R, dtype=torch.float32), indices.new_empty(R, dtype=torch.int32),
             indices.new_empty(H * num_experts + 1, dtype=torch.int64),
-            indices.new_empty(R, dtype=torch.int32))
+            indices.new_empty(R if with_positions else 0, dtype=torch.int32))
 
 
 def _sort_routes_setup_context(ctx, inputs, output):
     probs = inputs[0]
     ctx.save_for_backward(output[3])
     ctx.probs_meta = (probs.shape, probs.dtype)
+    ctx.with_positions = inputs[4] if len(inputs) > 4 else True
 
 
 def _sort_routes_backward(ctx, grad_sorted, grad_gather, grad_offsets, grad_positions):
     (positions,) = ctx.saved_tensors
     shape, dtype = ctx.probs_meta
     if grad_sorted is None:
-        return None, None, None, None
+        return None, None, None, None, None
+    if not ctx.with_positions:
+        raise RuntimeError("mhmoe::sort_routes_triton: backward of a call made without "
+                           "positions (sort_routes asks for them when probs needs a gradient)")
     # sorted_probs[positions] == probs.flatten(): the backward is that gather.
     grad_probs = grad_sorted[positions.to(torch.int64)].view(shape).to(dtype)
-    return grad_probs, None, None, None
+    return grad_probs, None, None, None, None
 
 
 _sort_routes_triton_op.register_autograd(_sort_routes_backward,

@@ -421,6 +421,64 @@ def _shortlist(acc, coln, bias, scol, E: tl.constexpr, TOP_K: tl.constexpr,
 
 
 @triton.jit
+def _shortlist_merged(acc, coln, bias, E: tl.constexpr, TOP_K: tl.constexpr,
+                      SHORT: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      ERROR: tl.constexpr, INTERPRET: tl.constexpr):
+    """`_shortlist` by sorting networks (SHORT < BLOCK_N // 4): (keys [rows, 4, SHORT]
+    uint32, the row's SHORT best keys, best first, the same in each of the 4 groups;
+    unsure [rows, 4] bool, the same in each group).
+
+    The same keys as `_shortlist`; the difference is how the best ones are found. Column
+    c = 8 j + 2 q + i goes to group q: in the wgmma accumulator layout the thread with
+    lane % 4 == q holds exactly group q of each of its rows. Each group's best SHORT come
+    from a bitonic top-k on the thread's own registers (`tl.topk`: compare-exchanges that
+    are one unsigned min or max each, no shuffle), then two butterfly steps merge the
+    groups: a group takes its partner's sorted list (a shuffle a key), keeps the larger of
+    its i-th and the partner's (SHORT - 1 - i)-th key (the SHORT best of both, as a bitonic
+    sequence) and sorts that with a bitonic merge. `_shortlist`'s rounds instead scan all
+    of the row's keys once a pick: nine scans of BLOCK_N keys for SHORT = 8.
+
+    Margin. Without a (SHORT + 1)-th key the test is L(a_K) - U(a_SHORT) > margin:
+    every expert left out has a key below a_SHORT, so its bucket's top is at most
+    U(a_SHORT), and `_shortlist`'s argument holds with a_SHORT in place of a_{SHORT+1}
+    (a stricter test: a row it passes, `_shortlist`'s passes too). a_SHORT itself is
+    listed, a candidate more than the K needed.
+    """
+    LOW: tl.constexpr = E - 1
+    G: tl.constexpr = 4
+    M: tl.constexpr = BLOCK_N // G
+    tl.static_assert(SHORT < M, "each group must hold more keys than the list")
+    tl.static_assert(TOP_K < SHORT, "the margin needs a listed key past the K-th")
+    R: tl.constexpr = acc.shape[0]
+    v = _sigmoid_approx(acc, coln, INTERPRET)
+    if HAS_BIAS:
+        v = v + bias[None, :]
+    key = _keys(_nan_as_neg_inf(v, INTERPRET), coln, LOW)
+    # [R, BLOCK_N] -> [R, j, q, i] -> [R, q, j, i] -> [R, G, M]: group q's keys, in-thread.
+    key = tl.permute(tl.reshape(key, (R, BLOCK_N // 8, G, 2)), (0, 2, 1, 3))
+    top = tl.topk(tl.reshape(key, (R, G, M)), SHORT)  # [R, G, SHORT], best first
+    top = _merge_partners(top, R, 2, 1, SHORT)  # groups q and q ^ 1
+    top = _merge_partners(top, R, 1, 2, SHORT)  # then q and q ^ 2
+    scol = tl.arange(0, SHORT)[None, None, :]
+    # Register picks (a max over one thread's keys, all zero but one).
+    kth = tl.max(tl.where(scol == TOP_K - 1, top, 0), 2)
+    last = tl.max(tl.where(scol == SHORT - 1, top, 0), 2)
+    # Every group holds the same list, so each tests the row's: no shuffle.
+    return top, ~_keys_apart(kth, last, LOW, ERROR)
+
+
+@triton.jit
+def _merge_partners(top, R: tl.constexpr, OUTER: tl.constexpr, STEP: tl.constexpr,
+                    SHORT: tl.constexpr):
+    """top [R, 2 * OUTER * STEP, SHORT] (each group's keys, best first) -> the SHORT best of
+    groups g and g ^ STEP in both, best first (`_shortlist_merged`)."""
+    t = tl.reshape(top, (R, OUTER, 2, STEP, SHORT))
+    partner = t ^ tl.xor_sum(t, 2, keep_dims=True)
+    t = tl.maximum(t, tl.flip(partner, 4))  # bitonic: falls, then rises
+    return tl.reshape(tl.bitonic_merge(t, descending=True), (R, 2 * OUTER * STEP, SHORT))
+
+
+@triton.jit
 def _block_ranks(e, valid, R: tl.constexpr):
     """rank[r] = routes r' < r of the block with the same expert (stable order).
 
@@ -814,7 +872,7 @@ def _dot_exact(x, w, acc, INTERPRET: tl.constexpr):
 def _write_shortlist(acc, s0, h, n, bias_ptr, short_ptr, S, E: tl.constexpr,
                      TOP_K: tl.constexpr, SHORT: tl.constexpr, BLOCK_S: tl.constexpr,
                      BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, ERROR: tl.constexpr,
-                     INTERPRET: tl.constexpr):
+                     INTERPRET: tl.constexpr, MERGED: tl.constexpr = False):
     """short[h, s, n * SHORT + j] (int32): the packed keys of the shortlist (`_shortlist`)
     of row s of the logits tile acc (tokens [s0, s0 + BLOCK_S) of head h, column block
     n), best first, or 0 throughout where the row is unsure (0 is no expert's key)."""
@@ -823,16 +881,29 @@ def _write_shortlist(acc, s0, h, n, bias_ptr, short_ptr, S, E: tl.constexpr,
     bias_n = tl.zeros([BLOCK_N], tl.float32)
     if HAS_BIAS:
         bias_n = tl.load(bias_ptr + h * E + coln)
-    scol = tl.arange(0, SHORT)[None, :]
-    keys, unsure = _shortlist(acc, coln, bias_n, scol, E, TOP_K, SHORT, BLOCK_N, HAS_BIAS,
-                              ERROR, INTERPRET)
-    # Rows from a fresh arange: in the layout of the keys, not of acc's rows (sm_90: the
-    # latter took ~50 registers more in a version that also read logits back here).
-    rows = s0 + tl.arange(0, BLOCK_S)
     NSPLIT: tl.constexpr = E // BLOCK_N
-    so = ((h.to(tl.int64) * S + rows) * NSPLIT + n)[:, None] * SHORT + scol
-    tl.store(short_ptr + so, tl.where(unsure[:, None], 0, keys).to(tl.int32, bitcast=True),
-             mask=(rows < S)[:, None])
+    if MERGED:
+        keys, unsure = _shortlist_merged(acc, coln, bias_n, E, TOP_K, SHORT, BLOCK_N,
+                                         HAS_BIAS, ERROR, INTERPRET)
+        # Every group holds the list: group 0 stores it.
+        rows = s0 + tl.arange(0, BLOCK_S)[:, None, None]
+        group = tl.arange(0, 4)[None, :, None]
+        so = ((h.to(tl.int64) * S + rows) * NSPLIT + n) * SHORT + \
+            tl.arange(0, SHORT)[None, None, :]
+        tl.store(short_ptr + tl.broadcast_to(so, (BLOCK_S, 4, SHORT)),
+                 tl.where(unsure[:, :, None], 0, keys).to(tl.int32, bitcast=True),
+                 mask=(rows < S) & (group == 0))
+    else:
+        scol = tl.arange(0, SHORT)[None, :]
+        keys, unsure = _shortlist(acc, coln, bias_n, scol, E, TOP_K, SHORT, BLOCK_N,
+                                  HAS_BIAS, ERROR, INTERPRET)
+        # Rows from a fresh arange: in the layout of the keys, not of acc's rows (sm_90: the
+        # latter took ~50 registers more in a version that also read logits back here).
+        rows = s0 + tl.arange(0, BLOCK_S)
+        so = ((h.to(tl.int64) * S + rows) * NSPLIT + n)[:, None] * SHORT + scol
+        tl.store(short_ptr + so,
+                 tl.where(unsure[:, None], 0, keys).to(tl.int32, bitcast=True),
+                 mask=(rows < S)[:, None])
 
 
 @triton.jit
@@ -850,7 +921,7 @@ def _logits_route_kernel(
     BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr, WRITE_LOGITS: tl.constexpr,
     FROM_TILE: tl.constexpr, INTERPRET: tl.constexpr, ROUTE: tl.constexpr = True,
     COUNT_T: tl.constexpr = 0, HALF_STORES: tl.constexpr = False, BLOCK_N: tl.constexpr = 0,
-    l_desc=None, short_ptr=None, SHORT: tl.constexpr = 0,
+    l_desc=None, short_ptr=None, SHORT: tl.constexpr = 0, MERGED: tl.constexpr = False,
 ):
     """Router logits and top-k routing of BLOCK_S tokens of one head, in one pass.
 
@@ -956,7 +1027,7 @@ def _logits_route_kernel(
         if SHORT > 0:
             _write_shortlist(acc, s0, h, tl.program_id(1) % NSPLIT, bias_ptr, short_ptr, S, E,
                              TOP_K, SHORT, BLOCK_S, BLOCK_N, HAS_BIAS, SIGMOID_APPROX_ERROR,
-                             INTERPRET)
+                             INTERPRET, MERGED)
     else:
         tl.static_assert(BLOCK_N == E, "routing needs whole rows")
         if WRITE_LOGITS:
@@ -1072,9 +1143,10 @@ def _layout_scatter_kernel(
     indices_ptr, probs_ptr, rank_ptr,  # [H, S, K] int, fp32, int32; contiguous
     base_ptr, offsets_ptr,  # [H, NB, E] int32, [H*E + 1] int64
     gather_ids_ptr, sorted_probs_ptr,  # outputs [H*S*K] int32, fp32
-    positions_ptr,  # output [H*S*K] int32: the place of route (h, s, k) in the layout
+    positions_ptr,  # output [H*S*K] int32 (if WRITE_POS): the place of route (h, s, k)
     S, NB,
     E: tl.constexpr, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+    WRITE_POS: tl.constexpr,
 ):
     """Layout step 4: write every route at its place in the CSR layout.
 
@@ -1098,8 +1170,9 @@ def _layout_scatter_kernel(
     tokens = tl.broadcast_to(t[:, None], [BLOCK_T, BLOCK_K])
     tl.store(gather_ids_ptr + pos, tokens, mask=ok)
     tl.store(sorted_probs_ptr + pos, p, mask=ok)
-    # The inverse permutation: the backward of sorted_probs is a gather by it.
-    tl.store(positions_ptr + route, pos.to(tl.int32), mask=ok)
+    if WRITE_POS:
+        # The inverse permutation: the backward of sorted_probs is a gather by it.
+        tl.store(positions_ptr + route, pos.to(tl.int32), mask=ok)
 
 
 @triton.jit
@@ -1138,10 +1211,10 @@ def _layout_rank_scatter_kernel(
     base_ptr, totals_ptr,  # the scan's [H, NB, E] and [H, E] int32
     offsets_ptr,  # output [H*E + 1] int64 (written by the programs of block 0)
     gather_ids_ptr, sorted_probs_ptr,  # outputs [H*S*K] int32, fp32
-    positions_ptr,  # output [H*S*K] int32: the place of route (h, s, k) in the layout
+    positions_ptr,  # output [H*S*K] int32 (if WRITE_POS): the place of route (h, s, k)
     S, NB,
     E: tl.constexpr, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_E: tl.constexpr,
+    BLOCK_E: tl.constexpr, WRITE_POS: tl.constexpr,
 ):
     """The last step of ranks="scatter": rank, then place, every route of a block.
 
@@ -1195,8 +1268,10 @@ def _layout_rank_scatter_kernel(
         write = ok & (pos >= 0) & (pos < routes)
         tl.store(gather_ids_ptr + head_start + pos, rr // TOP_K, mask=write)
         tl.store(sorted_probs_ptr + head_start + pos, p, mask=write)
-        # The inverse permutation: the backward of sorted_probs is a gather by it.
-        tl.store(positions_ptr + head_start + rr, (head_start + pos).to(tl.int32), mask=write)
+        if WRITE_POS:
+            # The inverse permutation: the backward of sorted_probs is a gather by it.
+            tl.store(positions_ptr + head_start + rr, (head_start + pos).to(tl.int32),
+                     mask=write)
         cursor += tl.histogram(e, BLOCK_E, mask=ok)
 
 
@@ -1543,6 +1618,7 @@ def triton_logits_route(
         WRITE_LOGITS=write_logits, FROM_TILE=cfg.from_tile, INTERPRET=_interpreting(),
         ROUTE=not cfg.split, COUNT_T=count_t, HALF_STORES=cfg.half_stores, BLOCK_N=block_n,
         l_desc=l_desc, short_ptr=short, SHORT=short_n,
+        MERGED=cfg.merged_lists and short is not None and top_k < short_n < block_n // 4,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if short is not None:
@@ -1593,7 +1669,8 @@ def triton_sort_routes(
     the ranking scatter (tests, tuning). return_positions adds a fourth output,
     positions [H*S*K] int32: the place of route (h, s, k) in the layout
     (sorted_probs[positions] == probs.flatten()), which the backward of
-    sorted_probs needs (out-of-range routes: unwritten).
+    sorted_probs needs (out-of-range routes: unwritten); without it no positions
+    are written.
     """
     if indices.dim() != 3 or probs.shape != indices.shape:
         raise ValueError(f"triton_sort_routes: probs and indices must both be [H, S, K], got "
@@ -1625,7 +1702,8 @@ def triton_sort_routes(
     device = indices.device
     gather_ids = torch.empty(H * S * K, device=device, dtype=torch.int32)
     sorted_probs = torch.empty(H * S * K, device=device, dtype=torch.float32)
-    positions = torch.empty(H * S * K, device=device, dtype=torch.int32)
+    positions = torch.empty(H * S * K, device=device, dtype=torch.int32) \
+        if return_positions else None
     extra = (positions,) if return_positions else ()
     if H == 0 or S == 0:
         # No routes: every offset is 0, nothing to launch.
@@ -1711,8 +1789,10 @@ def _layout_scatter(indices, probs, rank, base, offsets, gather_ids, sorted_prob
     H, S, K = indices.shape
     NB, E = base.shape[1:]
     _layout_scatter_kernel[(NB, H)](
-        indices, probs, rank, base, offsets, gather_ids, sorted_probs, positions, S, NB,
-        E=E, TOP_K=K, BLOCK_T=block_t, BLOCK_K=triton.next_power_of_2(K), num_warps=4)
+        indices, probs, rank, base, offsets, gather_ids, sorted_probs,
+        gather_ids if positions is None else positions,  # a placeholder when not written
+        S, NB, E=E, TOP_K=K, BLOCK_T=block_t, BLOCK_K=triton.next_power_of_2(K),
+        WRITE_POS=positions is not None, num_warps=4)
 
 
 def _layout_hist(indices, E, block_t, num_warps=4):
@@ -1734,6 +1814,8 @@ def _layout_rank_scatter(indices, probs, base, totals, offsets, gather_ids, sort
     if num_warps is None:
         num_warps = max(1, min(4, chunk // 32))  # a warp's lane a route of the step
     _layout_rank_scatter_kernel[(NB, H)](
-        indices, probs, base, totals, offsets, gather_ids, sorted_probs, positions, S, NB,
-        E=E, TOP_K=K, BLOCK_T=block_t, BLOCK_R=chunk, BLOCK_E=triton.next_power_of_2(E),
+        indices, probs, base, totals, offsets, gather_ids, sorted_probs,
+        gather_ids if positions is None else positions,  # a placeholder when not written
+        S, NB, E=E, TOP_K=K, BLOCK_T=block_t, BLOCK_R=chunk,
+        BLOCK_E=triton.next_power_of_2(E), WRITE_POS=positions is not None,
         num_warps=num_warps)
