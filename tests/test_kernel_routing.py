@@ -420,33 +420,59 @@ def _margin_case(logits, K, bias, block_n, merged):
     return exact, _shortlist_route(logits, K, bias, block_n, 4, 2, error=0.0, merged=merged)[1]
 
 
-def test_merged_shortlist_margin_is_needed():
-    # The sorting networks' lists take their margin between the K-th and the last listed
-    # key. Rows (K = 3, lists of 4, one block of E = 32) where the interpreter's approximate
-    # sigmoid reverses a near-tied group: columns 0 and 3 (moved down) have the best exact
-    # scores after column 9, columns 2 and 5 (moved up) the worst, 1 and 4 in between, all
-    # within a few ulps, at x spread over the keys' buckets. With the error bound set to 0
-    # many rows list 9, 2, 5, 1, which miss the exact picks 9, 0, 3, and route wrongly; with
-    # the real bound every such row is unsure and the route is exact (whole rows).
-    if not kr._interpreting():
-        pytest.skip("relies on the interpreter's perturbed sigmoid")
-    H, S, E, K = 1, 64, 32, 3
-    logits = torch.full((H, S, E), -6.0)
-    # Sigmoids near 0.82 (steps of 1e-6 in x: 2.5 ulps; the swap: 1.6e-6), shifted by the
-    # bias to ~0.1, where E = 32's buckets (32 ulps) are 2.4e-7 wide.
+def _reversed_group(S):
+    """Logits [1, S, 32] and a bias [1, 32] (K = 3, lists of 4, one block of E = 32) where
+    the interpreter's approximate sigmoid reverses a near-tied group: columns 0 and 3
+    (moved down) have the best exact scores after column 9, columns 2 and 5 (moved up)
+    the worst, 1 and 4 in between, all within a few ulps, at x spread over the keys'
+    buckets: sigmoids near 0.82 (steps of 1e-6 in x: 2.5 ulps; the swap: 1.6e-6), shifted
+    by the bias to ~0.1, where E = 32's buckets (32 ulps) are 2.4e-7 wide."""
+    logits = torch.full((1, S, 32), -6.0)
     x = 1.5 + torch.arange(S) * 7.3e-7
     logits[0, :, 9] = 8.0
     logits[0, :, [0, 3]] = (x + 2e-6)[:, None]
     logits[0, :, [1, 4]] = (x + 1e-6)[:, None]
     logits[0, :, [2, 5]] = x[:, None]
-    bias = torch.zeros(H, E)
+    bias = torch.zeros(1, 32)
     bias[:, :6] = -0.72
+    return logits, bias
+
+
+def test_merged_shortlist_margin_is_needed():
+    # The sorting networks' lists take their margin between the K-th and the last listed
+    # key. On `_reversed_group`'s rows, with the error bound set to 0, many rows list 9, 2,
+    # 5, 1, which miss the exact picks 9, 0, 3, and route wrongly; with the real bound
+    # every such row is unsure and the route is exact (whole rows).
+    if not kr._interpreting():
+        pytest.skip("relies on the interpreter's perturbed sigmoid")
+    S, K = 64, 3
+    logits, bias = _reversed_group(S)
     exact, i0 = _margin_case(logits, K, bias, 32, merged=True)
     assert (exact[1][0].cpu() == torch.tensor([9, 0, 3])).all()
     assert (i0.cpu() != exact[1].cpu()).any(-1).sum() >= S // 4
 
 
-def test_shortlist_route_takes_both_paths(rng):
+def test_merged_shortlist_margin_is_at_the_kth_key():
+    # The margin is the K-th key's, not an earlier one's: `_reversed_group`'s rows with
+    # column 7 second, far above the group, so that the picks are 9, 7, 0 and the keys
+    # list 9, 7, 2, 5. A test at the (K - 1)-th key (column 7 against the 4th) would pass
+    # and the route would pick 2 from those lists; at the K-th (2 against 5, one value)
+    # every list is unsure and the route exact.
+    if not kr._interpreting():
+        pytest.skip("relies on the interpreter's perturbed sigmoid")
+    S, K = 64, 3
+    logits, bias = _reversed_group(S)
+    logits[0, :, 7] = 6.0
+    exact = triton_route(logits.to(DEVICE), K, "sigmoid", bias.to(DEVICE), True, 1e-12, 4.9,
+                         keyed=False, count_block_t=4)
+    assert (exact[1][0].cpu() == torch.tensor([9, 7, 0])).all()
+    p, i, c, short = _shortlist_route(logits, K, bias, 32, 4, 2, merged=True)
+    assert torch.equal(i, exact[1]) and torch.equal(p, exact[0]) and torch.equal(c, exact[2])
+    assert (short == 0).all()
+
+
+@pytest.mark.parametrize("merged", [False, True])
+def test_shortlist_route_takes_both_paths(rng, merged):
     # The route kernel orders a row's picks by its listed keys where they are apart, and
     # runs the exact rounds on its listed logits where they are not (tied rows): at
     # MAGI-2's E, K and column blocks, both kinds of row in one program (the interpreter's
@@ -458,7 +484,7 @@ def test_shortlist_route_takes_both_paths(rng):
     logits[:, :S // 2, 0], logits[:, :S // 2, 2] = x + 3.5e-6, x
     bias = torch.randn(H, E, generator=rng) * 0.02
     bias[:, 0] = bias[:, 2]
-    p, i, c, short = _shortlist_route(logits, K, bias, 128, 4, merged=True)
+    p, i, c, short = _shortlist_route(logits, K, bias, 128, 4, merged=merged)
     tied = kr.shortlist_tied_rows(short, K, E)
     keyed = (short != 0).all(-1).cpu() & ~tied
     assert (tied.sum(1) > 0).all() and (keyed.sum(1) > 0).all(), (tied, keyed)
@@ -471,23 +497,34 @@ def test_shortlist_route_takes_both_paths(rng):
 @pytest.mark.parametrize("E,K,block_n", [(256, 6, 128), (64, 3, 64), (32, 3, 32), (64, 5, 64)])
 def test_merged_shortlists_are_the_rounds_lists(rng, E, K, block_n):
     # The sorting networks' lists (`_shortlist_merged`) against the rounds' (`_shortlist`):
-    # the same keys in the same order wherever both are sure, and never sure where the
-    # rounds' are not (their margin is taken to the SHORT-th key, not the (SHORT + 1)-th:
-    # stricter). Random rows, hard rows (ties, near-ties, inf, NaN), and rows whose best
-    # keys all sit in one thread's group (columns 0 mod 8 and 1 mod 8: group 0).
+    # the same keys in the same order wherever both are sure. Their margin is taken to the
+    # SHORT-th key, not the (SHORT + 1)-th: stricter, except where the (SHORT + 1)-th is
+    # -inf (row 8's first block keeps only SHORT scores that are not NaN), which the
+    # rounds cannot vouch for and the networks rightly can; that is the one place where
+    # only the merged lists are sure, and the route from them is exact there too. Random
+    # rows, hard rows (ties, near-ties, inf, NaN), and rows whose best keys all sit in one
+    # thread's group (columns 0 mod 8 and 1 mod 8: group 0).
     H, S = 2, 40
+    short = kr.shortlist_size(K, block_n)
     logits = torch.cat([torch.randn(H, 20, E, generator=rng), _hard_logits(rng, H, 20, E)], 1)
     group0 = torch.arange(E) % 8 < 2
     logits[:, :6, group0] += 4.0
+    logits[:, 8, short:block_n] = NAN
     bias = torch.randn(H, E, generator=rng) * 0.02
     rounds = _shortlist_route(logits, K, bias, block_n, 4)[3].cpu()
-    merged = _shortlist_route(logits, K, bias, block_n, 4, merged=True)[3].cpu()
-    short = kr.shortlist_size(K, block_n)
+    p, i, c, merged = _shortlist_route(logits, K, bias, block_n, 4, merged=True)
+    exact = triton_route(logits.to(DEVICE), K, "sigmoid", bias.to(DEVICE), True, 1e-12, 4.9,
+                         keyed=False, count_block_t=4)
+    assert torch.equal(i, exact[1]) and torch.equal(c, exact[2])
+    assert torch.equal(p.nan_to_num(7.0), exact[0].nan_to_num(7.0))
     r = rounds.view(H, S, -1, short)
-    m = merged.view(H, S, -1, short)
+    m = merged.cpu().view(H, S, -1, short)
     sure_r, sure_m = (r != 0).all(-1), (m != 0).all(-1)
-    assert not (sure_m & ~sure_r).any()
-    assert torch.equal(m[sure_m], r[sure_m])
+    only_merged = torch.zeros_like(sure_m)
+    only_merged[:, 8, 0] = True
+    assert torch.equal(sure_m & ~sure_r, only_merged)
+    both = sure_m & sure_r
+    assert torch.equal(m[both], r[both])
     assert sure_m[:, :20].float().mean() > 0.9  # random rows are sure
     assert sure_m[:, :6].all()  # the one-group rows too: no key lost
 

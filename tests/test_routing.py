@@ -267,7 +267,7 @@ def test_triton_routing_ops_registration(rng):
     torch.library.opcheck(_sort_routes_triton_op, (probs.requires_grad_(), indices, 8))
 
 
-def test_triton_layout_writes_positions_only_for_a_gradient(rng):
+def test_triton_layout_writes_positions_only_for_a_gradient(rng, monkeypatch):
     # The Triton layout's positions (the backward's gather) are written only when probs
     # needs a gradient: the op returns an empty tensor without, H*S*K places with; the
     # layout is the reference's either way, and the gradient through sorted_probs too.
@@ -288,6 +288,23 @@ def test_triton_layout_writes_positions_only_for_a_gradient(rng):
     p_ref = probs.clone().requires_grad_()
     (mhmoe.sort_routes(p_ref, indices, E, backend="torch").sorted_probs * g).sum().backward()
     assert torch.equal(p.grad, p_ref.grad)
+    # sort_routes asks for positions exactly when probs needs a gradient
+    import mhmoe.kernels.routing as kr
+
+    asked = []
+    real = kr.triton_sort_routes
+
+    def spy(*args, **kwargs):
+        asked.append(kwargs["return_positions"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kr, "triton_sort_routes", spy)
+    mhmoe.sort_routes(probs, indices, E, backend="triton")
+    mhmoe.sort_routes(probs.clone().requires_grad_(), indices, E, backend="triton")
+    with torch.no_grad():
+        mhmoe.sort_routes(probs.clone().requires_grad_(), indices, E, backend="triton")
+    monkeypatch.undo()
+    assert asked == [False, True, False]
     # a graph built without positions cannot run backward: a clear error, not garbage
     sp, *_ = _sort_routes_triton_op(probs.clone().requires_grad_(), indices, E, None, False)
     with pytest.raises(RuntimeError, match="without positions"):

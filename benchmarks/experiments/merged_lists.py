@@ -53,7 +53,8 @@ def compile_only() -> None:
         ops = collections.Counter(m.split(".")[0] for m in
                                   re.findall(r"/\*[0-9a-f]+\*/\s+([A-Z][A-Z0-9_.]*)", sass))
         sel = sum(ops[o] for o in ("VIMNMX", "VIMNMX3", "VIADDMNMX", "IMAD"))
-        print(f"{name} merged={merged}: {sum(ops.values())} SASS, {sel} int min/max/add, "
+        label = name.replace(" merged", "")
+        print(f"{label} merged={merged}: {sum(ops.values())} SASS, {sel} int min/max/add, "
               f"{ops['SHFL']} SHFL, {ops['LDS'] + ops['STS']} LDS/STS, shared "
               f"{k.metadata.shared} B; {ptxas_info(k)}")
 

@@ -44,9 +44,12 @@ logits reach memory only when wanted (the backward, or the gather).
 
 Shortlists (the sm_90 default for sigmoid scores without groups, K <= 16). The
 split logits kernel computes [BLOCK_S, BLOCK_N] tiles (a block of the experts),
-stores them, and lists for each row the next_pow2(K) largest packed keys
-(`_shortlist`, the route kernel's keys, expert ids in their low bits). Where the
-keys' K-th and (next_pow2(K) + 1)-th values are apart by more than the margin,
+stores them, and lists for each row the next_pow2(K) largest packed keys (the
+route kernel's keys, expert ids in their low bits): by SHORT + 1 rounds over the
+tile's keys (`_shortlist`), or, the sm_90 default where K < next_pow2(K), by
+sorting networks in each thread's registers and merges between threads
+(`_shortlist_merged`). Where the keys' K-th and (next_pow2(K) + 1)-th values (the
+merged lists: the K-th and the next_pow2(K)-th) are apart by more than the margin,
 every expert left out has K experts of its block with a strictly greater exact
 selection score, so the row's exact top K lies in its blocks' lists, and
 `_shortlist_route_kernel` picks it from them: by the listed keys where they order
@@ -440,9 +443,12 @@ def _shortlist_merged(acc, coln, bias, E: tl.constexpr, TOP_K: tl.constexpr,
 
     Margin. Without a (SHORT + 1)-th key the test is L(a_K) - U(a_SHORT) > margin:
     every expert left out has a key below a_SHORT, so its bucket's top is at most
-    U(a_SHORT), and `_shortlist`'s argument holds with a_SHORT in place of a_{SHORT+1}
-    (a stricter test: a row it passes, `_shortlist`'s passes too). a_SHORT itself is
-    listed, a candidate more than the K needed.
+    U(a_SHORT), and `_shortlist`'s argument holds with a_SHORT in place of a_{SHORT+1}.
+    a_SHORT itself is listed, a candidate more than the K needed. Where a_{SHORT+1} is
+    finite this test is the stricter one (a row it passes, `_shortlist`'s passes too);
+    where a_{SHORT+1} is -inf (a block with at most SHORT scores that are not NaN),
+    `_shortlist`'s test fails on its bucket (which decodes to NaN) and this one may
+    pass, rightly: the argument above holds either way.
     """
     LOW: tl.constexpr = E - 1
     G: tl.constexpr = 4
@@ -873,9 +879,10 @@ def _write_shortlist(acc, s0, h, n, bias_ptr, short_ptr, S, E: tl.constexpr,
                      TOP_K: tl.constexpr, SHORT: tl.constexpr, BLOCK_S: tl.constexpr,
                      BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, ERROR: tl.constexpr,
                      INTERPRET: tl.constexpr, MERGED: tl.constexpr = False):
-    """short[h, s, n * SHORT + j] (int32): the packed keys of the shortlist (`_shortlist`)
-    of row s of the logits tile acc (tokens [s0, s0 + BLOCK_S) of head h, column block
-    n), best first, or 0 throughout where the row is unsure (0 is no expert's key)."""
+    """short[h, s, n * SHORT + j] (int32): the packed keys of the shortlist (`_shortlist`,
+    or `_shortlist_merged` if MERGED) of row s of the logits tile acc (tokens
+    [s0, s0 + BLOCK_S) of head h, column block n), best first, or 0 throughout where the
+    row is unsure (0 is no expert's key)."""
     tl.static_assert((E & (E - 1)) == 0, "shortlist keys need a power-of-two E")
     coln = n * BLOCK_N + tl.arange(0, BLOCK_N)
     bias_n = tl.zeros([BLOCK_N], tl.float32)
@@ -930,7 +937,9 @@ def _logits_route_kernel(
     COUNT_T > 0 it also zeroes the rows of counts [H, NB, E] of the blocks of
     COUNT_T tokens that start in its tile, which `_route_kernel` then adds
     into (no memset launch). ROUTE=True with COUNT_T > 0: the program adds its
-    picks to counts itself (zeroed by the launcher), see `_route_rows`.
+    picks to counts itself (zeroed by the launcher), see `_route_rows`. ROUTE=False
+    with SHORT > 0: the tile's shortlists too (`_write_shortlist`; MERGED picks the
+    sorting networks' `_shortlist_merged` over `_shortlist`'s rounds).
 
     Launch grid: (cdiv(S, BLOCK_S), H * (E // BLOCK_N)); BLOCK_N (a power of two
     dividing E) is E unless ROUTE=False. Program (b, h) (BLOCK_N = E) owns tokens
@@ -1146,7 +1155,7 @@ def _layout_scatter_kernel(
     positions_ptr,  # output [H*S*K] int32 (if WRITE_POS): the place of route (h, s, k)
     S, NB,
     E: tl.constexpr, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-    WRITE_POS: tl.constexpr,
+    WRITE_POS: tl.constexpr = True,
 ):
     """Layout step 4: write every route at its place in the CSR layout.
 
@@ -1214,7 +1223,7 @@ def _layout_rank_scatter_kernel(
     positions_ptr,  # output [H*S*K] int32 (if WRITE_POS): the place of route (h, s, k)
     S, NB,
     E: tl.constexpr, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_E: tl.constexpr, WRITE_POS: tl.constexpr,
+    BLOCK_E: tl.constexpr, WRITE_POS: tl.constexpr = True,
 ):
     """The last step of ranks="scatter": rank, then place, every route of a block.
 

@@ -233,8 +233,9 @@ def _cases():
     tma_store = c.split and c.tma_store  # then the logits leave through a descriptor too
     store_n = bn // 2 if c.half_stores and bn >= 32 else bn
     short = routing.shortlist_size(K, bn) if c.split and c.shortlist else 0
+    merged = c.merged_lists and K < short < bn // 4  # as `triton_logits_route` decides
     yield (f"logits {c.block_s}/{c.block_d}/{c.num_warps}/{c.num_stages} e{bn}"
-           f"{' shortlists' if short else ''}{' merged' if c.merged_lists else ''}",
+           f"{' shortlists' if short else ''}{' merged' if merged else ''}",
            routing._logits_route_kernel,
            {"x_desc": f"tensordesc<bf16[{c.block_s}, {c.block_d}]>",
             "w_desc": f"tensordesc<bf16[{bn}, {c.block_d}]>", "logits_ptr": "*fp32",
@@ -248,7 +249,7 @@ def _cases():
                 BLOCK_K=triton.next_power_of_2(K), BLOCK_G=1, WRITE_LOGITS=True,
                 FROM_TILE=c.from_tile, INTERPRET=False, ROUTE=not c.split,
                 COUNT_T=routing.layout_block_t(K), HALF_STORES=c.half_stores, BLOCK_N=bn,
-                SHORT=short, MERGED=c.merged_lists and K < short < bn // 4),
+                SHORT=short, MERGED=merged),
            c.num_warps, c.num_stages, ("S",), None)
 
     tma = expert_forward.tma_fits(D, I, 2)
