@@ -291,14 +291,7 @@ def test_triton_layout_writes_positions_only_for_a_gradient(rng, monkeypatch):
     # sort_routes asks for positions exactly when probs needs a gradient
     import mhmoe.kernels.routing as kr
 
-    asked = []
-    real = kr.triton_sort_routes
-
-    def spy(*args, **kwargs):
-        asked.append(kwargs["return_positions"])
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(kr, "triton_sort_routes", spy)
+    asked = _record_kwarg(monkeypatch, kr, "triton_sort_routes", "return_positions")
     mhmoe.sort_routes(probs, indices, E, backend="triton")
     mhmoe.sort_routes(probs.clone().requires_grad_(), indices, E, backend="triton")
     with torch.no_grad():
@@ -320,6 +313,19 @@ def test_triton_routing_refuses_float64():
 
 
 # ------------------------------- route_tokens: router logits and routing, fused or unfused
+
+
+def _record_kwarg(monkeypatch, module, name: str, kwarg: str) -> list:
+    """A list to which every later call of module.name appends its keyword argument
+    `kwarg`; the calls run as before."""
+    seen, real = [], getattr(module, name)
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs[kwarg])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, spy)
+    return seen
 
 
 def _token_inputs(rng, S=9, H=2, E=16, D=32, dtype=torch.bfloat16):
@@ -357,14 +363,7 @@ def test_route_tokens_saves_logits_only_for_a_backward(rng, monkeypatch):
     # No-grad calls (inference) write no logits for a backward; grad calls do.
     import mhmoe.kernels.routing as kr
 
-    seen = []
-    real = kr.triton_logits_route
-
-    def spy(*args, **kwargs):
-        seen.append(kwargs["return_logits"])
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(kr, "triton_logits_route", spy)
+    seen = _record_kwarg(monkeypatch, kr, "triton_logits_route", "return_logits")
     x, gate, bias = _token_inputs(rng)
     call = lambda xx, gg: mhmoe.routing.route_tokens(xx, gg, 3, "sigmoid", bias,  # noqa: E731
                                                      backend="triton")

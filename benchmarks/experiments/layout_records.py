@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 
 import torch
@@ -80,7 +79,7 @@ def _rank_scatter_records_kernel(
 
 
 def gpu(out: str) -> None:
-    from router_inputs import kernels_in, router_inputs, shuffled_replays
+    from router_inputs import report_replays, router_inputs, shuffled_replays
 
     from mhmoe.kernels import routing as R
 
@@ -139,13 +138,8 @@ def gpu(out: str) -> None:
             fn()
         graphs[name] = g
     graphs["shipped_control"] = graphs["shipped"]
-    times = shuffled_replays(graphs, ROUNDS, REPLAYS)
-    for n in graphs:
-        res["timing"][n] = {"median_us": round(1000 * statistics.median(times[n]), 2),
-                            "round_medians_us": [round(1000 * t, 2) for t in times[n]]}
-        if n != "shipped_control":
-            res["timing"][n]["kernels_graph_us"] = kernels_in(graphs[n].replay)
-        print(n, json.dumps(res["timing"][n]), flush=True)
+    res["timing"] = report_replays(graphs, shuffled_replays(graphs, ROUNDS, REPLAYS),
+                                   controls=("shipped_control",), unit="us")
     with open(out, "w") as f:
         json.dump(res, f, indent=1)
 

@@ -23,7 +23,6 @@ import dataclasses
 import json
 import os
 import re
-import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -61,7 +60,7 @@ def compile_only() -> None:
 
 def gpu(out: str) -> None:
     import torch
-    from router_inputs import S, kernels_in, router_inputs, shuffled_replays
+    from router_inputs import S, report_replays, router_inputs, shuffled_replays
 
     from mhmoe.kernels import routing as R
 
@@ -127,13 +126,8 @@ def gpu(out: str) -> None:
         graphs[name] = g
     # A control: the rounds graph a second time under another name.
     graphs["rounds_control"] = graphs["rounds"]
-    times = shuffled_replays(graphs, ROUNDS, REPLAYS)
-    for n in graphs:
-        res["timing"][n] = {"median_ms": round(statistics.median(times[n]), 4),
-                            "round_medians_ms": [round(t, 4) for t in times[n]]}
-        if n != "rounds_control":
-            res["timing"][n]["kernels_graph_us"] = kernels_in(graphs[n].replay)
-        print(n, json.dumps(res["timing"][n]), flush=True)
+    res["timing"] = report_replays(graphs, shuffled_replays(graphs, ROUNDS, REPLAYS),
+                                   controls=("rounds_control",))
     with open(out, "w") as f:
         json.dump(res, f, indent=1)
 

@@ -87,6 +87,24 @@ def shuffled_replays(graphs: dict, rounds: int, replays: int) -> dict:
     return times
 
 
+def report_replays(graphs: dict, times: dict, controls=(), unit: str = "ms") -> dict:
+    """{name: {"median_<unit>", "round_medians_<unit>" of `shuffled_replays`' times, and
+    "kernels_graph_us" (`kernels_in` of its replays) but for the controls (a graph
+    repeated under another name)}}, each printed as it comes. unit: "ms" or "us"."""
+    import json
+    import statistics
+
+    scale, digits = {"ms": (1.0, 4), "us": (1000.0, 2)}[unit]
+    res = {}
+    for n in graphs:
+        res[n] = {f"median_{unit}": round(scale * statistics.median(times[n]), digits),
+                  f"round_medians_{unit}": [round(scale * t, digits) for t in times[n]]}
+        if n not in controls:
+            res[n]["kernels_graph_us"] = kernels_in(graphs[n].replay)
+        print(n, json.dumps(res[n]), flush=True)
+    return res
+
+
 def experiment_main(compile_only, gpu) -> None:
     """The command line of the experiment scripts with a compile-only mode:
     `--compile-only` compiles for sm_90 here (no GPU), else `OUT.json` runs on the GPU."""

@@ -467,7 +467,7 @@ def _sort_routes_setup_context(ctx, inputs, output):
     probs = inputs[0]
     ctx.save_for_backward(output[3])
     ctx.probs_meta = (probs.shape, probs.dtype)
-    ctx.with_positions = inputs[4] if len(inputs) > 4 else True
+    ctx.with_positions = inputs[4]  # (torch.library fills in the defaults)
 
 
 def _sort_routes_backward(ctx, grad_sorted, grad_gather, grad_offsets, grad_positions):

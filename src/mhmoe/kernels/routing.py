@@ -1408,6 +1408,13 @@ def shortlist_size(top_k: int, block_n: int) -> int:
     return min(triton.next_power_of_2(top_k), block_n)
 
 
+def merged_lists(cfg: LogitsRouteConfig, top_k: int, short_n: int, block_n: int) -> bool:
+    """Whether the logits kernel makes its shortlists by sorting networks
+    (`_shortlist_merged`): asked by cfg.merged_lists, and possible (lists of short_n >
+    top_k keys, fewer than a quarter of the block_n columns; short_n = 0: no lists)."""
+    return cfg.merged_lists and top_k < short_n < block_n // 4
+
+
 def shortlist_tied_rows(short: torch.Tensor, top_k: int, num_experts: int,
                         error: float | None = None) -> torch.Tensor:
     """The rows of shortlists short [..., C] (`_write_shortlist`'s packed keys) that
@@ -1627,7 +1634,7 @@ def triton_logits_route(
         WRITE_LOGITS=write_logits, FROM_TILE=cfg.from_tile, INTERPRET=_interpreting(),
         ROUTE=not cfg.split, COUNT_T=count_t, HALF_STORES=cfg.half_stores, BLOCK_N=block_n,
         l_desc=l_desc, short_ptr=short, SHORT=short_n,
-        MERGED=cfg.merged_lists and short is not None and top_k < short_n < block_n // 4,
+        MERGED=merged_lists(cfg, top_k, short_n, block_n),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if short is not None:

@@ -233,7 +233,7 @@ def _cases():
     tma_store = c.split and c.tma_store  # then the logits leave through a descriptor too
     store_n = bn // 2 if c.half_stores and bn >= 32 else bn
     short = routing.shortlist_size(K, bn) if c.split and c.shortlist else 0
-    merged = c.merged_lists and K < short < bn // 4  # as `triton_logits_route` decides
+    merged = routing.merged_lists(c, K, short, bn)
     yield (f"logits {c.block_s}/{c.block_d}/{c.num_warps}/{c.num_stages} e{bn}"
            f"{' shortlists' if short else ''}{' merged' if merged else ''}",
            routing._logits_route_kernel,
