@@ -1025,7 +1025,8 @@ def test_fused_route_nan_and_inf(rng):
                        split=True, block_e=16, tma_store=True, shortlist=True), 8),
 ])
 def test_fused_route_counts(rng, config, count_t, monkeypatch):
-    # logits + route with counts, fused or split: the same picks as without, counts of them,
+    # logits + route with counts, fused or split: the picks and probabilities of the exact
+    # rounds on the kernel's own logits, the same with counts as without, counts of them,
     # and the layout from them is the reference's; NaN and inf inputs among the rows.
     # A buffer the kernels are to zero comes filled with garbage (the CPU's empty is zeroed).
     new_counts = kr._new_block_counts
@@ -1041,7 +1042,10 @@ def test_fused_route_counts(rng, config, count_t, monkeypatch):
     x[9, 1, 0] = float("inf")    # token 9, head 1: logits +-inf
     bias = torch.randn(H, E, generator=rng) * 0.02
     args = (x.to(DEVICE), gate.to(DEVICE), K, "sigmoid", bias.to(DEVICE), True, 1e-12, 4.9)
-    p, i, _ = triton_logits_route(*args, config=config)
+    p, i, logits = triton_logits_route(*args, config=config, return_logits=True)
+    # the picks and probabilities of the exact rounds on the kernel's own logits
+    exact = triton_route(logits, *args[2:], keyed=False)
+    assert torch.equal(i, exact[1]) and torch.equal(p.nan_to_num(7.0), exact[0].nan_to_num(7.0))
     p2, i2, _, counts = triton_logits_route(*args, config=config, count_block_t=count_t)
     assert torch.equal(i2, i) and torch.equal(p2.nan_to_num(7.0), p.nan_to_num(7.0))
     assert torch.equal(counts.cpu(), _block_counts(i, E, count_t))

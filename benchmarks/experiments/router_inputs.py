@@ -105,18 +105,33 @@ def report_replays(graphs: dict, times: dict, controls=(), unit: str = "ms") -> 
     return res
 
 
+def graph_of(fn, warmup: int = 3):
+    """A CUDA graph of fn() (after `warmup` eager calls), and what the captured call
+    returned (its outputs live in the graph's memory)."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        outs = fn()
+    return g, outs
+
+
 def experiment_main(compile_only, gpu) -> None:
-    """The command line of the experiment scripts with a compile-only mode:
-    `--compile-only` compiles for sm_90 here (no GPU), else `OUT.json` runs on the GPU."""
+    """The command line of the experiment scripts: `OUT.json` runs on the GPU; with a
+    compile_only function, `--compile-only` compiles for sm_90 here (no GPU) instead."""
     import argparse
 
     p = argparse.ArgumentParser()
     p.add_argument("out", nargs="?")
-    p.add_argument("--compile-only", action="store_true")
+    if compile_only is not None:
+        p.add_argument("--compile-only", action="store_true")
     a = p.parse_args()
-    if a.compile_only:
+    if getattr(a, "compile_only", False):
         compile_only()
     elif a.out is None:
-        p.error("give the output path (or --compile-only)")
+        p.error("give the output path" + (" (or --compile-only)" if compile_only else ""))
     else:
         gpu(a.out)
