@@ -42,6 +42,8 @@ def published_route_and_layout(x_heads, layer):
 
 
 def graph_of(fn):
+    """A CUDA graph of fn() (after two warm-up calls on a side stream), and what the
+    captured call returned (its outputs live in the graph's memory)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -50,8 +52,8 @@ def graph_of(fn):
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
-    return graph
+        outs = fn()
+    return graph, outs
 
 
 def magi2_layer(device: torch.device) -> mhmoe.MultiHeadMoE:
@@ -78,7 +80,7 @@ def measure(layer, S: int, device: torch.device) -> dict:
     row["route_layout_ms"] = do_bench(lambda: layer.route_layout(xh), return_mode="median")
     # The same from a CUDA graph: the kernels without the host's launch cost, whose jitter
     # moved the eager number by 0.1 ms between two runs of session 14 (0.515 / 0.631 ms).
-    graph = graph_of(lambda: layer.route_layout(xh))
+    graph, _ = graph_of(lambda: layer.route_layout(xh))
     row["route_layout_graph_ms"] = do_bench(graph.replay, return_mode="median")
     del graph
     layout = layer.route_layout(xh)
@@ -90,7 +92,7 @@ def measure(layer, S: int, device: torch.device) -> dict:
             lambda det=det: mhmoe.expert_forward(xh, *layout, *w, deterministic=det),
             return_mode="median")
         row[f"{tag}layer_ms"] = do_bench(lambda: layer(x), return_mode="median")
-        graph = graph_of(lambda: layer(x))
+        graph, _ = graph_of(lambda: layer(x))
         row[f"{tag}layer_graph_ms"] = do_bench(graph.replay, return_mode="median")
         del graph
     layer.config = cfg

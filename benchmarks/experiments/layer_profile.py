@@ -75,7 +75,7 @@ def main():
         for v in tables:
             use(v)
             layer(x)
-            graphs[v] = bench_layer.graph_of(lambda: layer(x))
+            graphs[v] = bench_layer.graph_of(lambda: layer(x))[0]
         ys = {}
         for v in tables:
             use(v)

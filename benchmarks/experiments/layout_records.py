@@ -79,7 +79,7 @@ def _rank_scatter_records_kernel(
 
 
 def gpu(out: str) -> None:
-    from router_inputs import report_replays, router_inputs, shuffled_replays
+    from router_inputs import graph_of, report_replays, router_inputs, shuffled_replays
 
     from mhmoe.kernels import routing as R
 
@@ -131,12 +131,7 @@ def gpu(out: str) -> None:
             "offsets": torch.equal(off, ref["offsets"]),
             "positions": torch.equal(pos, ref["positions"]) if write_pos else None}
     print(json.dumps(res["checks"]), flush=True)
-    graphs = {}
-    for name, fn in variants.items():
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        graphs[name] = g
+    graphs = {name: graph_of(fn)[0] for name, fn in variants.items()}
     graphs["shipped_control"] = graphs["shipped"]
     res["timing"] = report_replays(graphs, shuffled_replays(graphs, ROUNDS, REPLAYS),
                                    controls=("shipped_control",), unit="us")

@@ -18,7 +18,6 @@ in ROUNDS shuffled rounds of REPLAYS replays, then each graph's kernels under th
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
@@ -29,21 +28,19 @@ ROUNDS, REPLAYS = 12, 40
 
 
 def _configs():
-    from mhmoe.kernels import configs
+    from router_inputs import logits_configs
 
-    base = configs.LOGITS_ROUTE_CONFIGS[(9, 0)]
-    return {"keys": dataclasses.replace(base, listed_logits=False),
-            "listed": dataclasses.replace(base, listed_logits=True)}
+    return logits_configs("listed_logits", "keys", "listed")
 
 
 def compile_only() -> None:
     from logits_gluon_ws import ptxas_info
+    from router_inputs import logits_audit_case
 
     from mhmoe.kernels import routing as R
     from mhmoe.kernels import sass_audit as A
 
-    name, fn, sig, cx, warps, stages, div, maxnreg = next(c for c in A._cases()
-                                                          if c[0].startswith("logits"))
+    name, fn, sig, cx, warps, stages, div, maxnreg = logits_audit_case()
     route_sig = {"short_ptr": "*i32", "logits_ptr": "*fp32", "bias_ptr": "*fp32",
                  "probs_ptr": "*fp32", "indices_ptr": "*i64", "counts_ptr": "*i32", "S": "i32",
                  "NB": "i32", "norm_eps": "fp32", "route_scale": "fp32"}

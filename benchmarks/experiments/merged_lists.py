@@ -19,7 +19,6 @@ kernels under the profiler.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import json
 import os
 import re
@@ -31,20 +30,18 @@ ROUNDS, REPLAYS = 12, 40
 
 
 def _configs():
-    from mhmoe.kernels import configs
+    from router_inputs import logits_configs
 
-    base = configs.LOGITS_ROUTE_CONFIGS[(9, 0)]
-    return {"rounds": dataclasses.replace(base, merged_lists=False),
-            "merged": dataclasses.replace(base, merged_lists=True)}
+    return logits_configs("merged_lists", "rounds", "merged")
 
 
 def compile_only() -> None:
     from logits_gluon_ws import ptxas_info
+    from router_inputs import logits_audit_case
 
     from mhmoe.kernels import sass_audit as A
 
-    name, fn, sig, cx, warps, stages, div, maxnreg = next(c for c in A._cases()
-                                                          if c[0].startswith("logits"))
+    name, fn, sig, cx, warps, stages, div, maxnreg = logits_audit_case()
     for merged in (False, True):
         kx = {**cx, "MERGED": merged}
         k = A.compile_sm90(fn, sig, kx, warps, stages, div, maxnreg)
@@ -60,7 +57,7 @@ def compile_only() -> None:
 
 def gpu(out: str) -> None:
     import torch
-    from router_inputs import S, report_replays, router_inputs, shuffled_replays
+    from router_inputs import S, graph_of, report_replays, router_inputs, shuffled_replays
 
     from mhmoe.kernels import routing as R
 
@@ -117,13 +114,7 @@ def gpu(out: str) -> None:
         def step(cfg=cfg):
             p, i, _, c = R.triton_logits_route(x, gate, config=cfg, **kw)
             return R.triton_sort_routes(p, i, gate.shape[1], block_counts=c, block_t=64)
-        for _ in range(3):
-            step()
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            step()
-        graphs[name] = g
+        graphs[name], _ = graph_of(step)
     # A control: the rounds graph a second time under another name.
     graphs["rounds_control"] = graphs["rounds"]
     res["timing"] = report_replays(graphs, shuffled_replays(graphs, ROUNDS, REPLAYS),

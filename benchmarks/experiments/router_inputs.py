@@ -1,5 +1,7 @@
 """The router inputs the routing experiments share: MAGI-2's dims at S = 32768, seed 0;
-and their timers (`bench`, `kernels_in`).
+their timers (`bench`, `kernels_in`, shuffled graph replays), and the pieces their scripts
+have in common (graph capture, the config pair they compare, the logits kernel's audit case,
+the command line).
 
 x [S, H, D] bf16, gate [H, E, D] fp32 (scale D^-0.5: logits ~ N(0, 1)), a selection bias
 ~ N(0, 0.01^2), and the routing keywords of `triton_logits_route` / `triton_route`.
@@ -105,18 +107,34 @@ def report_replays(graphs: dict, times: dict, controls=(), unit: str = "ms") -> 
     return res
 
 
-def graph_of(fn, warmup: int = 3):
-    """A CUDA graph of fn() (after `warmup` eager calls), and what the captured call
-    returned (its outputs live in the graph's memory)."""
-    import torch
+def graph_of(fn):
+    """bench_layer's `graph_of`: (a CUDA graph of fn(), the captured call's outputs)."""
+    import os
+    import sys
 
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        outs = fn()
-    return g, outs
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    import bench_layer
+
+    return bench_layer.graph_of(fn)
+
+
+def logits_configs(field: str, off: str, on: str) -> dict:
+    """{off: the sm_90 logits-route config with `field` False, on: with it True}."""
+    import dataclasses
+
+    from mhmoe.kernels import configs
+
+    base = configs.LOGITS_ROUTE_CONFIGS[(9, 0)]
+    return {off: dataclasses.replace(base, **{field: False}),
+            on: dataclasses.replace(base, **{field: True})}
+
+
+def logits_audit_case():
+    """The SASS audit's case of the sm_90 logits kernel: (name, fn, signature, constexprs,
+    num_warps, num_stages, divisible, maxnreg), as `sass_audit.compile_sm90` takes them."""
+    from mhmoe.kernels import sass_audit
+
+    return next(c for c in sass_audit._cases() if c[0].startswith("logits"))
 
 
 def experiment_main(compile_only, gpu) -> None:
