@@ -1,152 +1,184 @@
-"""Check and time the fused Triton expert backward at MAGI-2 shapes (run on a GPU machine).
+"""Check and time the fused expert backward at MAGI-2 dims (run on a GPU machine).
 
-    PYTHONPATH=src python3 benchmarks/bench_expert_backward.py --out $OUT/bwd.json
+    PYTHONPATH=src python3 benchmarks/bench_expert_backward.py [--sizes 4096,32768]
+        [--sweep "dx=m/i/w/s,dw=m/i/w/s,panel=m/n/k/w/s[/tma]|none;..."] [--skip-checks]
+        [--out OUT.json] [--no-record]
+    PYTHONPATH=src python3 benchmarks/bench_expert_backward.py --cpu    (a dry run)
 
-Steps, in order: the bf16 8192^3 matmul ceiling; correctness at S=4096
-(every gradient against fp32 autograd through `expert_forward_reference` on
+Steps, in order (GPU): the bf16 8192^3 matmul and device-copy peaks; checks at
+S=4096: every gradient against fp32 autograd through `expert_forward_reference` on
 upcast inputs, next to the error of the PyTorch fp32 backward
-`expert_backward_reference`); determinism (two runs bitwise); timings of
-forward, backward and forward+backward over S and mode (default /
-deterministic) with the peak extra memory; with --sweep, backward tile
-configs at the largest S. Prints a table last and writes JSON to --out.
-FLOP: forward 6 S H K D I; forward+backward counted as 3x the forward.
+`expert_backward_reference`, and each mode run twice (bitwise equal or not); then per S
+and mode (default / deterministic): the forward, the backward and forward+backward
+(`mhmoe.bench.bench_ms`), with the peak memory beyond inputs, outputs and gradients.
+--sweep: backward tile configs over the default ones of `tuning.expert_backward_config`
+(ExpertForwardConfig / PanelGemmConfig fields in order, booleans as 0/1; panel=none:
+the recomputing dW kernel), timed at the largest S in default mode in shuffled
+interleaved rounds against the default tiles (`mhmoe.bench.interleaved`,
+docs/measuring.md), with the largest relative difference of their gradients from the
+default's. A table last.
+
+FLOP: the forward 6 S H K D I; the backward counted as twice the forward and
+forward+backward as three times, as the peer kernels report them. Rows
+(`mhmoe.bench.result_row`): kernel "expert_bwd" (with the forward's time beside it) and
+"expert_fwd_bwd", variant "default", "deterministic" or "sweep:<config>"; they go to
+benchmarks/results.jsonl unless --no-record; --out also writes the whole run
+(environment, peaks, checks, rows) as one JSON file. --cpu: the same steps under the
+Triton interpreter at toy dims (numbers meaningless, nothing recorded).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
-import subprocess
-import time
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+if "--cpu" in sys.argv:  # before any kernel module is imported
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import torch
-import triton
-from triton.testing import do_bench
 
-from mhmoe.kernels.backward_configs import (
+import mhmoe
+from mhmoe.bench import (
+    append_results,
+    bench_ms,
+    environment,
+    interleaved,
+    measured_peaks,
+    result_row,
+    time_fn,
+)
+from mhmoe.kernels.expert_backward import triton_expert_backward
+from mhmoe.kernels.expert_forward import triton_expert_forward
+from mhmoe.kernels.tuning import (
     ExpertBackwardConfig,
+    ExpertForwardConfig,
     PanelGemmConfig,
     expert_backward_config,
 )
-from mhmoe.kernels.configs import ExpertForwardConfig
-from mhmoe.kernels.expert_backward import triton_expert_backward
-from mhmoe.kernels.expert_forward import triton_expert_forward
 from mhmoe.reference import expert_backward_reference, expert_forward_reference
-from mhmoe.reference import sort_routes_reference as sort_routes
 
-H, E, K, D, I = 12, 256, 6, 256, 1280
 NAMES = ("dx", "dprobs", "d_gate", "d_up", "d_down")
 
 
-def fwd_flops(S: int) -> float:
-    return 6.0 * S * H * K * D * I
+@dataclass(frozen=True)
+class Setup:
+    """Problem dims and where it runs (MAGI-2 on the GPU; toy dims for --cpu)."""
+
+    H: int = 12
+    E: int = 256
+    K: int = 6
+    D: int = 256
+    I: int = 1280
+    device: str = "cuda"
+    sizes: tuple = (4096, 32768)
+    check_s: int = 4096
 
 
-def make_problem(S: int, gen: torch.Generator, weights=None):
-    """Random bf16 inputs and uniform random top-K routing (never zeros)."""
-    F = H * E
-    if weights is None:
-        weights = (
-            torch.randn(F, D, I, device="cuda", generator=gen).mul_(2 * D**-0.5).bfloat16(),
-            torch.randn(F, D, I, device="cuda", generator=gen).mul_(2 * D**-0.5).bfloat16(),
-            torch.randn(F, I, D, device="cuda", generator=gen).mul_(I**-0.5).bfloat16())
-    x = torch.randn(S, H, D, device="cuda", generator=gen).bfloat16()
-    dy = torch.randn(S, H, D, device="cuda", generator=gen).bfloat16()
-    scores = torch.rand(H, S, E, device="cuda", generator=gen)
-    indices = scores.topk(K, dim=-1).indices
-    probs = torch.rand(H, S, K, device="cuda", generator=gen) + 0.1
+CPU_SETUP = Setup(H=2, E=8, K=2, D=32, I=64, device="cpu", sizes=(48,), check_s=48)
+
+
+def fwd_flops(st: Setup, S: int) -> float:
+    return 6.0 * S * st.H * st.K * st.D * st.I
+
+
+def make_weights(st: Setup, gen: torch.Generator):
+    """bf16 weights; gate and up scaled so that some g and u pass the clamps at 7."""
+    F = st.H * st.E
+    return (
+        torch.randn(F, st.D, st.I, device=st.device, generator=gen).mul_(2 * st.D**-0.5).bfloat16(),
+        torch.randn(F, st.D, st.I, device=st.device, generator=gen).mul_(2 * st.D**-0.5).bfloat16(),
+        torch.randn(F, st.I, st.D, device=st.device, generator=gen).mul_(st.I**-0.5).bfloat16())
+
+
+def make_problem(st: Setup, S: int, gen: torch.Generator):
+    """Random bf16 x and dy, uniform random top-K routing (never zeros), its layout."""
+    x = torch.randn(S, st.H, st.D, device=st.device, generator=gen).bfloat16()
+    dy = torch.randn(S, st.H, st.D, device=st.device, generator=gen).bfloat16()
+    scores = torch.rand(st.H, S, st.E, device=st.device, generator=gen)
+    indices = scores.topk(st.K, dim=-1).indices
+    probs = torch.rand(st.H, S, st.K, device=st.device, generator=gen) + 0.1
     probs = probs / probs.sum(-1, keepdim=True)
-    layout = sort_routes(probs, indices, E)
-    return x, dy, layout, weights
+    return x, dy, mhmoe.sort_routes(probs, indices, st.E)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
-def median_ms(fn, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-
-def matmul_tflops() -> float:
-    """The ceiling, measured in the same run: a bf16 8192^3 product on random data."""
-    mat = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    ms = do_bench(lambda: mat @ mat, warmup=50, rep=200, return_mode="median")
-    return 2 * 8192**3 / ms / 1e9
-
-
-def check(gen, weights) -> dict:
-    """Per-gradient relative error at S=4096 against fp32 autograd; determinism."""
-    x, dy, layout, (wg, wu, wd) = make_problem(4096, gen, weights)
-    leaves = [t.float().requires_grad_() for t in (x, layout[1], wg, wu, wd)]
-    y = expert_forward_reference(leaves[0], layout[0], leaves[1], layout[2], *leaves[2:])
+def checks(st: Setup, gen, weights) -> dict:
+    """Per-gradient relative error at check_s against fp32 autograd; repeatability."""
+    x, dy, layout = make_problem(st, st.check_s, gen)
+    wg, wu, wd = weights
+    leaves = [t.float().requires_grad_() for t in (x, layout.sorted_probs, wg, wu, wd)]
+    y = expert_forward_reference(leaves[0], layout.gather_ids, leaves[1], layout.offsets,
+                                 *leaves[2:])
     y.backward(dy.float())
     ref = [t.grad for t in leaves]
     del leaves, y
     torch_grads = expert_backward_reference(dy, x, *layout, wg, wu, wd)
-    row = {"S": 4096, "torch_fp32_backward": {n: rel_err(t, r) for n, t, r in
-                                              zip(NAMES, torch_grads, ref, strict=True)}}
+    out = {"S": st.check_s,
+           "torch_fp32_backward": {n: rel_err(t, r)
+                                   for n, t, r in zip(NAMES, torch_grads, ref, strict=True)}}
     del torch_grads
     for det in (False, True):
+        mode = "deterministic" if det else "default"
         grads = triton_expert_backward(dy, x, *layout, wg, wu, wd, deterministic=det)
-        row["deterministic" if det else "default"] = {
-            n: rel_err(g, r) for n, g, r in zip(NAMES, grads, ref, strict=True)}
+        out[mode] = {n: rel_err(g, r) for n, g, r in zip(NAMES, grads, ref, strict=True)}
         again = triton_expert_backward(dy, x, *layout, wg, wu, wd, deterministic=det)
-        row[f"bitwise_{'det' if det else 'default'}"] = {
-            n: bool(torch.equal(a, b)) for n, a, b in zip(NAMES, grads, again, strict=True)}
-    return row
+        out[f"bitwise_{mode}"] = {n: bool(torch.equal(a, b))
+                                  for n, a, b in zip(NAMES, grads, again, strict=True)}
+    return out
 
 
-def time_size(S: int, gen, weights, det: bool, reps: int) -> dict:
-    x, dy, layout, (wg, wu, wd) = make_problem(S, gen, weights)
-    fwd = lambda: triton_expert_forward(x, *layout, wg, wu, wd, deterministic=det)  # noqa: E731
-    bwd = lambda: triton_expert_backward(dy, x, *layout, wg, wu, wd,  # noqa: E731
-                                         deterministic=det)
+def timer(st: Setup):
+    """bench_ms on the GPU; one timed call under the interpreter (--cpu)."""
+    if st.device == "cuda":
+        return bench_ms
+    return lambda fn: time_fn(fn, runs=1, warmup=1).median_ms
+
+
+def time_size(st: Setup, S: int, gen, weights, det: bool) -> dict:
+    """Forward, backward and forward+backward times of one S and mode; extra memory."""
+    x, dy, layout = make_problem(st, S, gen)
+    fwd = functools.partial(triton_expert_forward, x, *layout, *weights, deterministic=det)
+    bwd = functools.partial(triton_expert_backward, dy, x, *layout, *weights,
+                            deterministic=det)
 
     def both():
         fwd()
         bwd()
 
-    row = {"S": S, "deterministic": det}
-    row["bwd_ms"] = median_ms(bwd, reps)
-    try:  # the forward is edited by others: a broken forward must not hide the backward
-        row["fwd_ms"] = median_ms(fwd, reps)
-    except Exception as exc:
-        row["fwd_error"] = repr(exc)[:300]
-        row["fwd_ms"], fwd = float("nan"), (lambda: torch.empty(S, H, D, device="cuda"))
-    row["fwd_bwd_ms"] = median_ms(both, reps)
-    row["fwd_bwd_tflops_3x"] = 3 * fwd_flops(S) / row["fwd_bwd_ms"] / 1e9
+    ms = timer(st)
+    row = {"fwd_ms": ms(fwd), "bwd_ms": ms(bwd), "fwd_bwd_ms": ms(both)}
     row["bwd_over_fwd"] = row["bwd_ms"] / row["fwd_ms"]
-    # Peak memory beyond inputs, parameters, the output and the gradients.
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    y = fwd()
-    grads = bwd()
-    torch.cuda.synchronize()
-    kept = sum(t.numel() * t.element_size() for t in (y, *grads))
-    row["extra_gb"] = (torch.cuda.max_memory_allocated() - base - kept) / 1e9
-    del y, grads
+    row["config"] = repr(expert_backward_config(x.device, layout.gather_ids.numel()
+                                                / (st.H * st.E)))
+    row["extra_gb"] = float("nan")
+    if st.device == "cuda":
+        # Peak memory beyond inputs, parameters, the output and the gradients.
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        y = fwd()
+        grads = bwd()
+        torch.cuda.synchronize()
+        kept = sum(t.numel() * t.element_size() for t in (y, *grads))
+        row["extra_gb"] = (torch.cuda.max_memory_allocated() - base - kept) / 1e9
     return row
 
 
 def parse_config(spec: str, default: ExpertBackwardConfig) -> ExpertBackwardConfig:
     """'dx=m/i/w/s,dw=m/i/w/s,panel=m/n/k/w/s[/tma]' over `default` (fields in the
     dataclasses' order, booleans as 0/1); 'panel=none': recompute."""
-    parts = dict(p.split("=") for p in spec.split(","))
     tiles = {}
-    for key, value in parts.items():
+    for part in spec.split(","):
+        key, value = part.split("=")
         if key == "panel":
             tiles[key] = None if value == "none" else PanelGemmConfig(*map(int, value.split("/")))
         else:
@@ -154,79 +186,107 @@ def parse_config(spec: str, default: ExpertBackwardConfig) -> ExpertBackwardConf
     return dataclasses.replace(default, **tiles)
 
 
-def sweep(S: int, gen, weights, specs: str, reps: int) -> list[dict]:
-    """Backward time (default mode) of each config (see `parse_config`), and the largest
-    relative difference of its gradients from the default config's."""
-    x, dy, layout, (wg, wu, wd) = make_problem(S, gen, weights)
-    default = expert_backward_config(torch.device("cuda"), S * K / E)
-    ref = triton_expert_backward(dy, x, *layout, wg, wu, wd, config=default)
-    rows = []
+def sweep(st: Setup, S: int, gen, weights, specs: str) -> list[tuple[str, float, dict]]:
+    """Backward time (default mode) of each config (see `parse_config`) against the
+    default's, interleaved, and the largest relative difference of its gradients from
+    the default config's: (variant, ms, extra with the config) for each."""
+    x, dy, layout = make_problem(st, S, gen)
+    default = expert_backward_config(x.device, S * st.K / st.E)
+    call = functools.partial(triton_expert_backward, dy, x, *layout, *weights)
+    ref = call(config=default)
+    variants, diffs = [("sweep:default", functools.partial(call, config=default))], {}
     for spec in filter(None, specs.split(";")):
         cfg = parse_config(spec, default)
         try:
-            grads = triton_expert_backward(dy, x, *layout, wg, wu, wd, config=cfg)
-            ms = median_ms(lambda c=cfg: triton_expert_backward(dy, x, *layout, wg, wu, wd,
-                                                                config=c), reps)
-        except Exception as exc:  # a config that fails to compile is a row, not a crash
-            rows.append({"S": S, "config": spec, "error": repr(exc)[:200]})
+            grads = call(config=cfg)
+        except Exception as exc:  # a config that fails to compile is reported, not a crash
+            print(f"sweep S={S} {spec}: {exc!r}"[:300], flush=True)
             continue
-        diff = max(rel_err(g, r) for g, r in zip(grads, ref, strict=True))
-        rows.append({"S": S, "config": spec, "bwd_ms": ms, "max_rel_diff_vs_default": diff})
-        print(f"sweep S={S} {spec}: {ms:.2f} ms, max rel. diff vs default {diff:.2e}", flush=True)
+        diffs[spec] = max(rel_err(g, r) for g, r in zip(grads, ref, strict=True))
+        variants.append((f"sweep:{spec}", functools.partial(call, config=cfg)))
         del grads
-    return rows
+    if st.device == "cuda":
+        timed = {name: t.median_ms for name, t in
+                 interleaved(variants, rounds=5, per_round=3, seed=S).items()}
+    else:
+        timed = {name: time_fn(fn, runs=1).median_ms for name, fn in variants}
+    out = []
+    for name, ms in timed.items():
+        spec = name.removeprefix("sweep:")
+        extra = {"config": repr(default) if spec == "default" else spec,
+                 "max_rel_diff_vs_default": diffs.get(spec, 0.0)}
+        print(f"sweep S={S} {spec}: {ms:.2f} ms, max rel. diff vs default "
+              f"{extra['max_rel_diff_vs_default']:.2e}", flush=True)
+        out.append((name, ms, extra))
+    return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default="expert_backward.json")
-    parser.add_argument("--sizes", default="4096,32768")
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default=None, help="token counts, comma-separated")
     parser.add_argument("--sweep", default="",
                         help="'dx=m/i/w/s,dw=m/i/w/s,panel=m/n/k/w/s|none;...' at the largest S")
     parser.add_argument("--skip-checks", action="store_true")
+    parser.add_argument("--out", default=None, help="also write the run as one JSON file")
+    parser.add_argument("--no-record", action="store_true",
+                        help="do not append rows to benchmarks/results.jsonl")
+    parser.add_argument("--cpu", action="store_true",
+                        help="a dry run under the Triton interpreter at toy dims")
     args = parser.parse_args()
-    t0 = time.time()
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
-                                text=True).stdout.strip()
-    except OSError:
-        commit = ""
-    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "triton": triton.__version__, "commit": commit, "shapes": dict(
-                  H=H, E=E, K=K, D=D, I=I)}
-    result["matmul_bf16_tflops"] = matmul_tflops()
-    F = H * E
-    weights = (
-        torch.randn(F, D, I, device="cuda", generator=gen).mul_(2 * D**-0.5).bfloat16(),
-        torch.randn(F, D, I, device="cuda", generator=gen).mul_(2 * D**-0.5).bfloat16(),
-        torch.randn(F, I, D, device="cuda", generator=gen).mul_(I**-0.5).bfloat16())
-    print(f"matmul {result['matmul_bf16_tflops']:.0f} TFLOP/s ({time.time() - t0:.0f} s)",
-          flush=True)
-    if not args.skip_checks:
-        result["check"] = check(gen, weights)
-        print(json.dumps(result["check"]), f"({time.time() - t0:.0f} s)", flush=True)
-    sizes = [int(s) for s in args.sizes.split(",")]
-    result["configs"] = {S: repr(expert_backward_config(torch.device("cuda"), S * K / E))
-                         for S in sizes}
-    rows = []
-    for S in sizes:
+    st = CPU_SETUP if args.cpu else Setup()
+    if args.sizes:
+        st = dataclasses.replace(st, sizes=tuple(int(s) for s in args.sizes.split(",")))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)  # fail before the run
+    env = environment(st.device)
+    print(env, flush=True)
+    peaks = measured_peaks(st.device)
+    if peaks:
+        print("peaks", peaks, flush=True)
+    gen = torch.Generator(device=st.device).manual_seed(0)
+    weights = make_weights(st, gen)
+    found = {} if args.skip_checks else checks(st, gen, weights)
+    if found:
+        print("checks", json.dumps(found), flush=True)
+    shape = dict(H=st.H, E=st.E, K=st.K, D=st.D, I=st.I)
+    rows, table = [], []
+    for S in st.sizes:
         for det in (False, True):
-            rows.append(time_size(S, gen, weights, det, reps=5 if S > 8192 else 10))
-            print(json.dumps(rows[-1]), f"({time.time() - t0:.0f} s)", flush=True)
-    result["timings"] = rows
+            t = time_size(st, S, gen, weights, det)
+            mode = "deterministic" if det else "default"
+            flop = fwd_flops(st, S)
+            rows.append(result_row("expert_bwd", mode, S, t["bwd_ms"], env=env,
+                                   tflops=2 * flop / (t["bwd_ms"] * 1e-3) / 1e12,
+                                   fwd_ms=t["fwd_ms"], bwd_over_fwd=t["bwd_over_fwd"],
+                                   extra_gb=t["extra_gb"], config=t["config"], shape=shape,
+                                   peaks=peaks))
+            rows.append(result_row("expert_fwd_bwd", mode, S, t["fwd_bwd_ms"], env=env,
+                                   tflops=3 * flop / (t["fwd_bwd_ms"] * 1e-3) / 1e12,
+                                   shape=shape, peaks=peaks))
+            table.append((S, mode, t))
+            print(f"S={S} {mode}: {json.dumps(t)}", flush=True)
+        if st.device == "cuda":
+            torch.cuda.empty_cache()
     if args.sweep:
-        result["sweep"] = sweep(max(sizes), gen, weights, args.sweep, reps=3)
-    with open(args.out, "w") as fh:
-        json.dump(result, fh, indent=1)
+        S = max(st.sizes)
+        for variant, ms, extra in sweep(st, S, gen, weights, args.sweep):
+            rows.append(result_row("expert_bwd", variant, S, ms, env=env,
+                                   tflops=2 * fwd_flops(st, S) / (ms * 1e-3) / 1e12,
+                                   shape=shape, peaks=peaks, **extra))
+
+    if args.out:
+        Path(args.out).write_text(json.dumps(
+            {"environment": env, "peaks": peaks, "checks": found, "rows": rows}, indent=1) + "\n")
+    if not (args.no_record or args.cpu):
+        print(f"rows appended to {append_results(rows)}")
     print("\n| S | mode | fwd ms | bwd ms | bwd/fwd | fwd+bwd ms | TFLOP/s (3x fwd) | extra GB |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for r in rows:
-        print(f"| {r['S']} | {'det' if r['deterministic'] else 'default'} | {r['fwd_ms']:.2f} | "
-              f"{r['bwd_ms']:.2f} | {r['bwd_over_fwd']:.2f} | {r['fwd_bwd_ms']:.2f} | "
-              f"{r['fwd_bwd_tflops_3x']:.0f} | {r['extra_gb']:.2f} |")
-    print(f"total {time.time() - t0:.0f} s")
+    for S, mode, t in table:
+        print(f"| {S} | {mode} | {t['fwd_ms']:.2f} | {t['bwd_ms']:.2f} | {t['bwd_over_fwd']:.2f} "
+              f"| {t['fwd_bwd_ms']:.2f} | {3 * fwd_flops(st, S) / t['fwd_bwd_ms'] / 1e9:.0f} "
+              f"| {t['extra_gb']:.2f} |")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,26 +1,35 @@
-"""The whole MultiHeadMoE forward on one GPU: routing + layout + experts (issue 4).
+"""The whole MultiHeadMoE on one GPU: routing + layout + experts, forward and backward.
 
-    PYTHONPATH=src python3 benchmarks/bench_layer.py --out $OUT/layer.json
+    PYTHONPATH=src python3 benchmarks/bench_layer.py [--tokens 1024,32768] [--no-record]
 
 For each token count: the published-style routing and layout (fp32 logits,
 sigmoid, bias, torch.topk, normalisation, argsort + bincount), our routing
 and layout (eager and replayed from a CUDA graph), the expert kernel alone,
-and the whole layer forward, eager and replayed from a CUDA graph, in default
-and deterministic mode. The bf16 8192^3 matmul is measured in the same run.
-Medians of `do_bench`.
+the whole layer forward (eager and from a CUDA graph) and forward+backward
+(`torch.autograd.grad` of x and the trainable parameters, eager and from a CUDA
+graph), in default and deterministic mode. The bf16 8192^3 matmul and a device
+copy are measured in the same run. Medians of `do_bench` (mhmoe.bench.bench_ms).
+Rows go to benchmarks/results.jsonl unless --no-record; --out also writes the
+run as one JSON file.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
-from triton.testing import do_bench
 
 import mhmoe
-from mhmoe.bench import copy_bandwidth_tbs, environment, matmul_peak_tflops
+from mhmoe.bench import (
+    append_results,
+    bench_ms,
+    environment,
+    measured_peaks,
+    result_row,
+)
 
 
 def published_route_and_layout(x_heads, layer):
@@ -71,62 +80,114 @@ def magi2_layer(device: torch.device) -> mhmoe.MultiHeadMoE:
 def measure(layer, S: int, device: torch.device) -> dict:
     """One token count: every time of the table, medians in ms."""
     cfg = layer.config
-    x = torch.randn(S, cfg.hidden_size, device=device).bfloat16()
+    gen = torch.Generator(device=device).manual_seed(S)
+    x = torch.randn(S, cfg.hidden_size, device=device, generator=gen).bfloat16()
+    dy = torch.randn(S, cfg.hidden_size, device=device, generator=gen).bfloat16()
     xh = x.view(S, cfg.num_heads, cfg.head_dim)
+    params = [p for p in layer.parameters() if p.requires_grad]
     row = {"tokens": S}
-    row["published_route_layout_ms"] = do_bench(
-        lambda: published_route_and_layout(xh, layer), return_mode="median")
-    row["route_ms"] = do_bench(lambda: layer.route_heads(xh), return_mode="median")
-    row["route_layout_ms"] = do_bench(lambda: layer.route_layout(xh), return_mode="median")
-    # The same from a CUDA graph: the kernels without the host's launch cost, whose jitter
-    # moved the eager number by 0.1 ms between two runs of session 14 (0.515 / 0.631 ms).
-    graph, _ = graph_of(lambda: layer.route_layout(xh))
-    row["route_layout_graph_ms"] = do_bench(graph.replay, return_mode="median")
-    del graph
-    layout = layer.route_layout(xh)
+    with torch.no_grad():
+        row["published_route_layout_ms"] = bench_ms(lambda: published_route_and_layout(xh, layer))
+        row["route_layout_ms"] = bench_ms(lambda: layer.route_layout(xh))
+        # From a CUDA graph: the kernels without the host's launch cost, whose jitter
+        # dominates the eager number of these short kernels.
+        graph, _ = graph_of(lambda: layer.route_layout(xh))
+        row["route_layout_graph_ms"] = bench_ms(graph.replay)
+        del graph
+        layout = layer.route_layout(xh)
     w = (layer.W_gate, layer.W_up, layer.W_down)
+    xg = x.clone().requires_grad_(True)
+
+    def fwd_bwd():
+        return torch.autograd.grad(layer(xg), [xg, *params], dy)
+
     for det in (False, True):
         tag = "det_" if det else ""
         layer.config = cfg.replace(deterministic=det)
-        row[f"{tag}experts_ms"] = do_bench(
-            lambda det=det: mhmoe.expert_forward(xh, *layout, *w, deterministic=det),
-            return_mode="median")
-        row[f"{tag}layer_ms"] = do_bench(lambda: layer(x), return_mode="median")
-        graph, _ = graph_of(lambda: layer(x))
-        row[f"{tag}layer_graph_ms"] = do_bench(graph.replay, return_mode="median")
-        del graph
+        with torch.no_grad():
+            row[f"{tag}experts_ms"] = bench_ms(
+                lambda det=det: mhmoe.expert_forward(xh, *layout, *w, deterministic=det))
+            row[f"{tag}layer_ms"] = bench_ms(lambda: layer(x))
+            graph, _ = graph_of(lambda: layer(x))
+            row[f"{tag}layer_graph_ms"] = bench_ms(graph.replay)
+            del graph
+        row[f"{tag}layer_fwd_bwd_ms"] = bench_ms(fwd_bwd)
+        try:
+            graph, _ = graph_of(fwd_bwd)
+        except RuntimeError as err:  # reported, and the column left empty
+            print(f"S={S}: forward+backward cannot be captured in a CUDA graph: {err}",
+                  file=sys.stderr)
+            row[f"{tag}layer_fwd_bwd_graph_ms"] = None
+        else:
+            row[f"{tag}layer_fwd_bwd_graph_ms"] = bench_ms(graph.replay)
+            del graph
     layer.config = cfg
-    row["layer_tflops"] = cfg.expert_flops(S) / (row["layer_ms"] * 1e-3) / 1e12
+    flops = cfg.expert_flops(S)
+    row["layer_tflops"] = flops / (row["layer_ms"] * 1e-3) / 1e12
+    # forward + backward counted as three forwards, as the peer kernels report it
+    row["layer_fwd_bwd_tflops"] = 3 * flops / (row["layer_fwd_bwd_ms"] * 1e-3) / 1e12
     return row
+
+
+# (column of measure(), results-file kernel, variant, FLOP multiple of the forward or None)
+ROWS = (
+    ("published_route_layout_ms", "published_route_layout", "default", None),
+    ("route_layout_ms", "route_layout", "default", None),
+    ("route_layout_graph_ms", "route_layout", "graph", None),
+    ("experts_ms", "experts_fwd", "default", 1),
+    ("det_experts_ms", "experts_fwd", "deterministic", 1),
+    ("layer_ms", "layer", "default", 1),
+    ("layer_graph_ms", "layer", "graph", 1),
+    ("det_layer_ms", "layer", "deterministic", 1),
+    ("det_layer_graph_ms", "layer", "deterministic_graph", 1),
+    ("layer_fwd_bwd_ms", "layer_fwd_bwd", "default", 3),
+    ("layer_fwd_bwd_graph_ms", "layer_fwd_bwd", "graph", 3),
+    ("det_layer_fwd_bwd_ms", "layer_fwd_bwd", "deterministic", 3),
+    ("det_layer_fwd_bwd_graph_ms", "layer_fwd_bwd", "deterministic_graph", 3),
+)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default="1024,4096,16384,32768")
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", default=None, help="also write the run as one JSON file")
+    parser.add_argument("--no-record", action="store_true",
+                        help="do not append rows to benchmarks/results.jsonl")
     args = parser.parse_args()
+    tokens = [int(t) for t in args.tokens.split(",")]
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)  # fail before the sweep
     device = torch.device("cuda")
     layer = magi2_layer(device)
     cfg = layer.config
-    peaks = {"matmul_tflops": matmul_peak_tflops(device), "copy_tbs": copy_bandwidth_tbs(device)}
+    env = environment(device)
+    peaks = measured_peaks(device)
     rows = []
-    with torch.no_grad():
-        for S in [int(t) for t in args.tokens.split(",")]:
-            rows.append(measure(layer, S, device))
-            print(json.dumps(rows[-1]), flush=True)
+    for S in tokens:
+        rows.append(measure(layer, S, device))
+        print(json.dumps(rows[-1]), flush=True)
     print(f"\nbf16 8192^3 matmul {peaks['matmul_tflops']:.0f} TFLOP/s, copy "
           f"{peaks['copy_tbs']:.2f} TB/s")
-    head = ("S", "publ. route+CSR", "route", "route+CSR", "route+CSR graph", "experts",
-            "layer", "layer graph", "det layer", "det graph", "TFLOP/s")
-    print(" ".join(f"{h:>15}" for h in head))
+    cols = ("published_route_layout_ms", "route_layout_ms", "route_layout_graph_ms",
+            "experts_ms", "layer_ms", "layer_graph_ms", "det_layer_ms", "layer_fwd_bwd_ms",
+            "layer_fwd_bwd_graph_ms", "det_layer_fwd_bwd_ms", "layer_fwd_bwd_tflops")
+    heads = ("publ. route+CSR", "route+CSR", "route+CSR graph", "experts", "layer",
+             "layer graph", "det layer", "fwd+bwd", "fwd+bwd graph", "det fwd+bwd",
+             "fwd+bwd TFLOP/s")
+    print(f"{'S':>7} " + " ".join(f"{h:>15}" for h in heads))
     for r in rows:
-        vals = (r["tokens"], r["published_route_layout_ms"], r["route_ms"], r["route_layout_ms"],
-                r["route_layout_graph_ms"], r["experts_ms"], r["layer_ms"], r["layer_graph_ms"],
-                r["det_layer_ms"], r["det_layer_graph_ms"], r["layer_tflops"])
-        print(" ".join(f"{v:>15.3f}" if isinstance(v, float) else f"{v:>15}" for v in vals))
+        print(f"{r['tokens']:>7} " + " ".join(f"{r[c]:>15.3f}" if r[c] is not None
+                                             else f"{'-':>15}" for c in cols))
+    if not args.no_record:
+        command = f"PYTHONPATH=src python3 benchmarks/bench_layer.py --tokens {args.tokens}"
+        results = [result_row(kernel, variant, r["tokens"], r[col], env=env,
+                              tflops=None if mult is None else
+                              mult * cfg.expert_flops(r["tokens"]) / (r[col] * 1e-3) / 1e12,
+                              command=command, **peaks)
+                   for r in rows for col, kernel, variant, mult in ROWS if r[col] is not None]
+        print(f"rows appended to {append_results(results)}")
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"environment": environment(device),
+        Path(args.out).write_text(json.dumps({"environment": env,
                                               "config": json.loads(cfg.to_json()),
                                               "peaks": peaks, "rows": rows}, indent=2) + "\n")
     return 0

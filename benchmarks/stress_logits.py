@@ -7,12 +7,13 @@ Each call of `triton_logits_route` (logits returned) at S=32768, H=12, E=256, D=
 checked against float64 logits (a "bad" element is off by more than 1e-4; an fp32 dot
 product of these inputs is off by ~3e-6 at most) and bitwise against the tile's first
 call. Every third call first fills 1 GB of freed memory with other bytes, so a read of
-stale memory would show. Rows (JSON): per tile, the calls with bad elements, the bad
-elements, the calls unequal to the first, the worst error; with --time, the median time
-of logits + route with counts (`do_bench`).
+stale memory would show. Per tile: the calls with bad elements, the bad elements, the
+calls unequal to the first, the worst error; with --time, the median time of logits +
+route with counts (`mhmoe.bench.bench_ms`), appended to benchmarks/results.jsonl
+unless --no-record. --out writes every tile's row as one JSON file.
 
-This found the race of NOTES.md routing v8 (13 of 40 calls wrong on the default tile)
-and checked its fix (0 of 80 on every tile here).
+This is the check that found the race in the logits kernel and showed its fix
+(docs/routing.md, "The race in the logits kernel, and the SASS audit").
 """
 
 from __future__ import annotations
@@ -27,18 +28,22 @@ if "--cpu" in sys.argv:  # before any kernel module is imported
     os.environ["TRITON_INTERPRET"] = "1"
 
 import torch
-import triton
 
-from mhmoe.bench import environment
-from mhmoe.kernels import routing as R
+from mhmoe.bench import append_results, bench_ms, environment, result_row
+from mhmoe.config import RouterOptions
+from mhmoe.kernels.layout import layout_block_t
+from mhmoe.kernels.router_logits import logits_route_config, triton_logits_route
+from mhmoe.kernels.tuning import LogitsRouteConfig
 
 
-def main() -> None:
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cpu", action="store_true", help="interpreter dry run at toy sizes")
     ap.add_argument("--reps", type=int, default=30, help="calls per tile")
     ap.add_argument("--time", action="store_true", help="also time each tile")
     ap.add_argument("--out", default=None, help="JSON file for the rows")
+    ap.add_argument("--no-record", action="store_true",
+                    help="do not append the timings to benchmarks/results.jsonl")
     args = ap.parse_args()
     if args.reps < 1:
         ap.error("--reps must be >= 1")
@@ -52,12 +57,12 @@ def main() -> None:
     gate = torch.randn(H, E, D, device=dev, generator=gen) * D**-0.5
     bias = torch.randn(H, E, device=dev, generator=gen) * 0.01
     exact = torch.einsum("shd,hed->hse", x_heads.double(), gate.double())
-    kw = dict(top_k=K, score_func="sigmoid", expert_bias=bias, route_norm=True,
-              norm_eps=1e-12, route_scale=4.9, count_block_t=R.layout_block_t(K))
-    base = R.logits_route_config(dev)
+    options = RouterOptions(K, route_scale=4.9)
+    count_t = layout_block_t(K)
+    base = logits_route_config(dev)
     if args.cpu:
-        base = R.LogitsRouteConfig(block_s=64, block_d=16, num_warps=4, num_stages=1,
-                                   from_tile=False, split=True, half_stores=True, block_e=16)
+        base = LogitsRouteConfig(block_s=64, block_d=16, num_warps=4, num_stages=1,
+                                 from_tile=False, split=True, half_stores=True, block_e=16)
         tiles = {"default": base}
     else:
         rep = dataclasses.replace
@@ -69,9 +74,11 @@ def main() -> None:
                               half_stores=False),
             "bd64_st2": rep(base, block_d=64, num_stages=2),
             "fused": rep(base, split=False, block_e=None, half_stores=False, block_s=64,
-                         num_warps=4, num_stages=2),
+                         num_warps=4, num_stages=2, tma_store=False, shortlist=False,
+                         merged_lists=False),
         }
-    rows = []
+    env = environment(dev)
+    rows, results = [], []
     for name, cfg in tiles.items():
         first = None
         bad_calls = bad_elems = unequal_calls = 0
@@ -80,8 +87,9 @@ def main() -> None:
             if dev.type == "cuda" and call % 3 == 1:
                 junk = torch.empty(1 << 28, device=dev, dtype=torch.int32).fill_(call)
                 del junk
-            out = R.triton_logits_route(x_heads, gate, config=cfg, return_logits=True, **kw)
-            err = (out[2].double() - exact).abs()
+            out = triton_logits_route(x_heads, gate, options, bias, config=cfg,
+                                      return_logits=True, count_block_t=count_t)
+            err = (out.logits.double() - exact).abs()
             n_bad = int((err > 1e-4).sum())
             bad_calls += n_bad > 0
             bad_elems += n_bad
@@ -94,15 +102,23 @@ def main() -> None:
                    bad_calls=bad_calls, bad_elems=bad_elems, unequal_calls=unequal_calls,
                    worst_abs_err=worst)
         if args.time and dev.type == "cuda":
-            row["logits_route_counting_ms"] = triton.testing.do_bench(
-                lambda cfg=cfg: R.triton_logits_route(x_heads, gate, config=cfg, **kw),
+            row["logits_route_counting_ms"] = bench_ms(
+                lambda cfg=cfg: triton_logits_route(x_heads, gate, options, bias, config=cfg,
+                                                    count_block_t=count_t),
                 warmup=50, rep=300)
+            results.append(result_row(
+                "logits_route_counting", f"stress:{name}", S, row["logits_route_counting_ms"],
+                env=env, script="benchmarks/stress_logits.py", config=row["config"],
+                reps=args.reps, bad_calls=bad_calls, unequal_calls=unequal_calls))
         print(json.dumps(row), flush=True)
         rows.append(row)
+    if results and not args.no_record:
+        print(f"rows appended to {append_results(results)}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"env": environment(dev), "S": S, "rows": rows}, f, indent=1)
+            json.dump({"env": env, "S": S, "rows": rows}, f, indent=1)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

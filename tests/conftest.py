@@ -47,3 +47,113 @@ def rng(request) -> torch.Generator:
     """A generator seeded from the run's seed and the test's id (one stream per case)."""
     seed = (BASE_SEED + zlib.crc32(request.node.nodeid.encode())) % (2**63)
     return torch.Generator().manual_seed(seed)
+
+
+# ----------------------------------------------------------------------------------------
+# Checkpoint builders shared by tests/test_checkpoint_*.py (`from conftest import ...`).
+# Their names carry "ckpt" because this file is shared; mhmoe and safetensors are
+# imported inside them, so that a broken package fails those tests, not collection.
+# ----------------------------------------------------------------------------------------
+
+from pathlib import Path  # noqa: E402
+from typing import TYPE_CHECKING  # noqa: E402
+
+if TYPE_CHECKING:
+    from mhmoe import HeadPartition, MultiHeadMoE, MultiHeadMoEConfig
+
+CKPT_LAYER = 3  # the layer the malformed-checkpoint cases load; +2 is a sound neighbour
+
+
+def ckpt_tiny_config(dtype: torch.dtype = torch.float32) -> "MultiHeadMoEConfig":
+    from mhmoe import MultiHeadMoEConfig
+
+    return MultiHeadMoEConfig(hidden_size=32, num_heads=4, num_experts=4, top_k=2,
+                              expert_intermediate_size=16, params_dtype=dtype)
+
+
+def ckpt_twelve_head_config() -> "MultiHeadMoEConfig":
+    from mhmoe import MultiHeadMoEConfig
+
+    # MAGI-2's head count with tiny experts: D = 2, E = 3, I = 4 (none a power of two).
+    return MultiHeadMoEConfig(hidden_size=24, num_heads=12, num_experts=3, top_k=1,
+                              expert_intermediate_size=4, params_dtype=torch.float32)
+
+
+def ckpt_random_state(cfg: "MultiHeadMoEConfig", rng: torch.Generator,
+                      rows: int | None = None) -> dict[str, torch.Tensor]:
+    """Every parameter random (the biases too, so their values are checked)."""
+    rows = cfg.num_flat_experts if rows is None else rows
+    D, I = cfg.head_dim, cfg.expert_intermediate_size
+    shapes = {"gate": (rows, D), "W_gate": (rows, D, I), "W_up": (rows, D, I),
+              "W_down": (rows, I, D), "router.expert_bias": (rows,),
+              "router.expert_bias_ema": (rows,)}
+    return {name: torch.randn(shape, generator=rng).to(
+                cfg.params_dtype if name.startswith("W_") else torch.float32)
+            for name, shape in shapes.items()}
+
+
+def ckpt_random_module(cfg: "MultiHeadMoEConfig", rng: torch.Generator,
+                       partition: "HeadPartition | None" = None) -> "MultiHeadMoE":
+    from mhmoe import MultiHeadMoE
+
+    module = MultiHeadMoE(cfg, partition=partition)
+    module.reset_parameters(generator=rng)
+    with torch.no_grad():
+        # Non-zero biases: they change the routing, so a lost bias shows in the forward.
+        for bias in module.router.parameters():
+            bias.copy_(0.1 * torch.randn(bias.shape, generator=rng))
+    return module
+
+
+def ckpt_assert_names(error: pytest.ExceptionInfo, file: Path, keys: list[str] | None) -> None:
+    """The message names the file and (one of) the keys."""
+    message = str(error.value)
+    assert str(file) in message, message
+    if keys:
+        assert any(repr(key) in message or key in message for key in keys), message
+
+
+def ckpt_shard_of(directory: Path, key: str) -> Path:
+    import json
+
+    from mhmoe.checkpoint import INDEX_FILE
+
+    index = json.loads((directory / INDEX_FILE).read_text())
+    return directory / index["weight_map"][key]
+
+
+def ckpt_save_pair(directory: Path, cfg, rng, mutate=None, **kwargs) -> Path:
+    """CKPT_LAYER (optionally mutated) and a sound CKPT_LAYER + 2."""
+    from mhmoe.checkpoint import save_checkpoint
+
+    state = ckpt_random_state(cfg, rng)
+    if mutate is not None:
+        mutate(state)
+    save_checkpoint(directory, {CKPT_LAYER: state, CKPT_LAYER + 2: ckpt_random_state(cfg, rng)},
+                    config=kwargs.pop("config", cfg), **kwargs)
+    return directory
+
+
+def ckpt_save_both_prefixes(d: Path, cfg, rng) -> None:
+    """CKPT_LAYER with its gate stored both with and without the 'transformer.' prefix
+    (by the reference writer)."""
+    import safetensors.torch
+
+    from mhmoe.checkpoint import SINGLE_FILE, moe_key
+
+    d.mkdir()
+    tensors = {moe_key(CKPT_LAYER, n): t for n, t in ckpt_random_state(cfg, rng).items()}
+    tensors[moe_key(CKPT_LAYER, "gate", "transformer.")] = \
+        tensors[moe_key(CKPT_LAYER, "gate")].clone()
+    safetensors.torch.save_file(tensors, d / SINGLE_FILE, metadata={"mhmoe.config":
+                                                                    cfg.to_json()})
+
+
+def ckpt_save_garbage_header(d: Path, cfg, rng) -> None:
+    """A sound pair whose safetensors header is overwritten by text that is not JSON."""
+    from mhmoe.checkpoint import SINGLE_FILE
+
+    ckpt_save_pair(d, cfg, rng)
+    with open(d / SINGLE_FILE, "r+b") as f:
+        f.seek(8)
+        f.write(b"#garbage, not json")

@@ -1,4 +1,5 @@
-"""Independent float64 oracles, written from SPEC.md without the library's code.
+"""Independent float64 oracles, written from the contract (docs/contract.md) without the
+library's code.
 
 They loop over rows and routes one at a time: slow, obvious, and sharing no
 code path with `mhmoe` (no CSR, no sort, no batching).

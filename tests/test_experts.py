@@ -17,6 +17,32 @@ def test_swiglu7_matches_oracle(rng):
     torch.testing.assert_close(mhmoe.swiglu7(g, u), swiglu7_oracle(g, u), rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_swiglu7_evaluates_in_fp32_and_returns_the_input_dtype(rng, dtype):
+    # The published activation evaluates in fp32 and casts back (docs/contract.md section
+    # 4): within half a unit of `dtype` of the float64 value, plus what fp32 arithmetic
+    # adds. bf16 or fp16 arithmetic rounds every intermediate and misses that on most
+    # inputs. Inputs cover the clamps (|g|, |u| past 7, the bounds themselves), u near -1
+    # (a + 1 that cancels) and g far below 0 (results below the fp16 normal range).
+    g = torch.cat([torch.randn(4096, generator=rng) * 4, torch.tensor([7.0, -7.0, 9.5, -30.0]),
+                   -12 - 4 * torch.rand(64, generator=rng)]).to(dtype)
+    u = torch.cat([torch.randn(4096, generator=rng) * 4, torch.tensor([7.0, -7.0, -9.5, 0.5]),
+                   -1 + 0.01 * torch.randn(64, generator=rng)]).to(dtype)
+    y = mhmoe.swiglu7(g, u)
+    assert y.dtype == dtype and y.shape == g.shape
+    exact = swiglu7_oracle(g, u)
+    info = torch.finfo(dtype)
+    rounding = torch.maximum(exact.abs() * info.eps / 2,
+                             torch.tensor(info.smallest_normal * info.eps / 2))
+    gc, uc = g.double().clamp(max=7), u.double().clamp(-7, 7)
+    # fp32 arithmetic: a few ulps of the terms' size; sigmoid(1.702 g) for g << 0 also
+    # carries the rounding of its argument, relative 1.702 |g| ulps.
+    scale = (gc * torch.sigmoid(1.702 * gc)).abs() * (uc.abs() + 1) * (1 + 1.702 * gc.abs())
+    fp32_math = 2.0**-20 * scale
+    err = (y.double() - exact).abs()
+    assert (err <= rounding + fp32_math).all(), (err - rounding - fp32_math).max()
+
+
 def test_swiglu7_clamps_by_hand():
     g = torch.tensor([10.0, 7.0, 0.0, -3.0], dtype=torch.float64)
     u = torch.tensor([-10.0, 10.0, 2.0, 0.0], dtype=torch.float64)
@@ -83,7 +109,7 @@ def test_expert_forward_low_precision_error(rng, dtype, tol):
     exact = layer_from_routes(x, probs, indices, *weights, act_dtype=dtype)
     assert rel_err(y, exact) < {torch.bfloat16: 8e-3, torch.float16: 1e-3,
                                 torch.float32: 1e-6}[dtype]
-    # Against the un-rounded float64 formula: the bf16 band of SPEC section 4.
+    # Against the un-rounded float64 formula: the bf16 band of docs/contract.md section 4.
     assert rel_err(y, layer_from_routes(x, probs, indices, *weights)) < tol
 
 

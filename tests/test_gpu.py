@@ -14,7 +14,8 @@ import triton
 import triton.language as tl
 
 import mhmoe
-from mhmoe.kernels import routing as kr
+from mhmoe.config import RouterOptions
+from mhmoe.kernels import topk as kr
 from mhmoe.reference import moe_reference_float64
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -198,21 +199,22 @@ def test_router_logits_repeatable_at_full_size():
     # as are probs, indices and the layout's counts. Buffers are filled with other bytes
     # between calls, so a read of stale memory would show. (A race in the logits kernel,
     # registers overwritten under a running wgmma, gave wrong tiles in about one call in
-    # three with 3 pipeline stages; NOTES.md routing v8.)
-    from mhmoe.kernels.routing import layout_block_t, triton_logits_route
+    # three with 3 pipeline stages; docs/routing.md, "The race in the logits kernel, and
+    # the SASS audit".)
+    from mhmoe.kernels.layout import layout_block_t
+    from mhmoe.kernels.router_logits import triton_logits_route
 
     cfg = MAGI2
     D = cfg.head_dim
     x, gate, bias = full_size_router_inputs(11)
     exact = torch.einsum("shd,hed->hse", x.double(), gate.double())
     bound = D * 2.0**-24 * torch.einsum("shd,hed->hse", x.double().abs(), gate.double().abs())
-    kw = dict(expert_bias=bias, route_norm=True, route_scale=cfg.route_scale,
-              return_logits=True, count_block_t=layout_block_t(cfg.top_k))
+    kw = dict(return_logits=True, count_block_t=layout_block_t(cfg.top_k))
     first = None
     for call in range(24):
         scribble_freed_memory(call * 7919)
-        out = triton_logits_route(x, gate, cfg.top_k, cfg.score_func, **kw)
-        logits = out[2]
+        out = triton_logits_route(x, gate, cfg.router_options, bias, **kw)
+        logits = out.logits
         assert ((logits.double() - exact).abs() <= bound).all(), call
         if first is None:
             first = out
@@ -258,10 +260,10 @@ def test_keyed_route_equals_exact_rounds_at_full_size():
     logits[:, 4, ::3] = 2.0                               # exact ties
     logits[:, 5] = torch.linspace(3.0, 3.001, E, device="cuda")  # near-ties everywhere
     bias = torch.randn(H, E, device="cuda", generator=gen) * 0.01
-    kw = dict(expert_bias=bias, route_scale=MAGI2.route_scale, count_block_t=64)
-    exact = kr.triton_route(logits, K, keyed=False, **kw)
+    options = RouterOptions(K, route_scale=MAGI2.route_scale)
+    exact = kr.triton_route(logits, options, bias, keyed=False, count_block_t=64)
     for block_rows in (None, 2, 8):
-        keyed = kr.triton_route(logits, K, block_rows=block_rows, **kw)
+        keyed = kr.triton_route(logits, options, bias, block_rows=block_rows, count_block_t=64)
         assert torch.equal(keyed[0].nan_to_num(7.0), exact[0].nan_to_num(7.0)), block_rows
         assert torch.equal(keyed[1], exact[1]) and torch.equal(keyed[2], exact[2]), block_rows
 
@@ -273,7 +275,8 @@ def test_shortlist_route_equals_full_rows_at_full_size():
     # NaN and inf tokens): probs, indices, counts and logits bitwise, on every call.
     import dataclasses
 
-    from mhmoe.kernels.routing import layout_block_t, logits_route_config, triton_logits_route
+    from mhmoe.kernels.layout import layout_block_t
+    from mhmoe.kernels.router_logits import logits_route_config, triton_logits_route
 
     cfg = MAGI2
     x, gate, bias = full_size_router_inputs(17)
@@ -287,20 +290,19 @@ def test_shortlist_route_equals_full_rows_at_full_size():
     x[3:40] *= 4.0                   # saturated sigmoids
     default = logits_route_config(torch.device("cuda"))
     assert default.shortlist
-    kw = dict(expert_bias=bias, route_scale=cfg.route_scale, return_logits=True,
-              count_block_t=layout_block_t(cfg.top_k))
-    full = triton_logits_route(x, gate, cfg.top_k, cfg.score_func,
+    kw = dict(return_logits=True, count_block_t=layout_block_t(cfg.top_k))
+    full = triton_logits_route(x, gate, cfg.router_options, bias,
                                config=dataclasses.replace(default, shortlist=False), **kw)
     for call in range(6):
         scribble_freed_memory(call * 7907 + 3)
-        out = triton_logits_route(x, gate, cfg.top_k, cfg.score_func, **kw)
+        out = triton_logits_route(x, gate, cfg.router_options, bias, **kw)
         for a, b in zip(out, full, strict=True):  # probs, indices, logits, counts
             assert torch.equal(a.nan_to_num(7.0, 8.0, 9.0), b.nan_to_num(7.0, 8.0, 9.0)), call
     # a token count that ends inside a program of the route kernels (rows past S masked)
     x = x[:-5]
-    full = triton_logits_route(x, gate, cfg.top_k, cfg.score_func,
+    full = triton_logits_route(x, gate, cfg.router_options, bias,
                                config=dataclasses.replace(default, shortlist=False), **kw)
-    out = triton_logits_route(x, gate, cfg.top_k, cfg.score_func, **kw)
+    out = triton_logits_route(x, gate, cfg.router_options, bias, **kw)
     for a, b in zip(out, full, strict=True):
         assert torch.equal(a.nan_to_num(7.0, 8.0, 9.0), b.nan_to_num(7.0, 8.0, 9.0))
 
@@ -309,7 +311,8 @@ def test_expert_kernels_repeatable_at_full_size(magi2_layer):
     # The expert forward (deterministic: bitwise; default: within a bf16 rounding, its
     # fp32 atomic adds commute only up to rounding) and the deterministic backward,
     # called again and again at MAGI-2's full size with other bytes written into freed
-    # memory between calls: a race (as routing v8's) or a read of stale memory would
+    # memory between calls: a race (as the logits kernel once had: docs/routing.md, "The
+    # race in the logits kernel, and the SASS audit") or a read of stale memory would
     # show as a call that differs.
     from mhmoe.kernels.expert_backward import triton_expert_backward
     from mhmoe.kernels.expert_forward import triton_expert_forward
@@ -369,15 +372,16 @@ def test_gluon_expert_forward_equals_triton(S, H, E, K, I, edge, group_bytes, cl
     # The warp-specialised Gluon kernel accumulates every sum in the Triton kernel's order:
     # the deterministic modes agree bitwise; the default mode (atomic adds) within
     # rounding; both against float64 as well as PyTorch's fp32 math. cluster=2: its
-    # variant in clusters of two CTAs sharing weight stages by multicast (forward v6).
+    # variant in clusters of two CTAs sharing weight stages by multicast.
     import dataclasses as dc
 
     import mhmoe.kernels.expert_forward as ef
+    import mhmoe.kernels.tuning as tuning
     from mhmoe.reference import expert_forward_reference
 
     if group_bytes is not None:
-        monkeypatch.setattr(ef, "DEFAULT_WORKSPACE_BYTES", group_bytes)
-        monkeypatch.setattr(ef, "DETERMINISTIC_WORKSPACE_BYTES", group_bytes * K)
+        monkeypatch.setattr(tuning, "DEFAULT_WORKSPACE_BYTES", group_bytes)
+        monkeypatch.setattr(tuning, "DETERMINISTIC_WORKSPACE_BYTES", group_bytes * K)
     D = 256
     gen = torch.Generator(device="cuda").manual_seed(S + I)
     x = torch.randn(S, H, D, device="cuda", generator=gen).bfloat16()
@@ -394,7 +398,7 @@ def test_gluon_expert_forward_equals_triton(S, H, E, K, I, edge, group_bytes, cl
     if "skipped" in edge:  # the case must hold such tiles (about 550 rows an expert)
         tails = (layout.offsets[1:] - layout.offsets[:-1]) % 128
         assert ((tails > 0) & (tails <= 64)).sum() >= H * E // 2, tails
-    triton_cfg = ef.expert_forward_config(x.device, rows, D, wd.dtype)
+    triton_cfg = tuning.expert_forward_config(x.device, rows, D, wd.dtype)
     ws_cfg = dc.replace(triton_cfg, warp_specialized=True, cluster=cluster)
     triton_cfg = dc.replace(triton_cfg, warp_specialized=False, cluster=1)
     tri = ef.triton_expert_forward(x, *layout, wg, wu, wd, deterministic=True, config=triton_cfg)
@@ -410,130 +414,11 @@ def test_gluon_expert_forward_equals_triton(S, H, E, K, I, edge, group_bytes, cl
             assert rel_err(y, ref) <= 1.5 * torch_fp32 + 4e-4, edge
 
 
-@pytest.mark.parametrize("cluster", [1, 2])
-def test_gluon_fused_combine_leaves_its_workspace_zero(cluster, monkeypatch):
-    # The default mode's fused combine (forward v7): the Gluon kernel finishes each
-    # (token, head) once its K-th route is counted and zeroes the workspace row it
-    # summed in, so the kept workspace needs no fill. A head a launch (the workspace
-    # limit lowered: three groups share the kept buffer, counters of heads 1 and 2).
-    # Calls in a row on new inputs, a call on another stream right behind one on the
-    # default stream (the launcher orders them), and CUDA graph replays on new inputs
-    # each give the deterministic result within rounding and leave the workspace zero;
-    # a first call under capture raises with a warm-up hint.
-    import dataclasses as dc
-
-    import mhmoe.kernels.expert_forward as ef
-
-    monkeypatch.setattr(ef, "FUSED_COMBINE", True)  # (off by default so far)
-    S, H, E, K, I, D = 1500, 3, 8, 6, 128, 256
-    monkeypatch.setattr(ef, "DEFAULT_WORKSPACE_BYTES", S * D * 4)
-    gen = torch.Generator(device="cuda").manual_seed(7 + cluster)
-    wg = (torch.randn(H * E, D, I, device="cuda", generator=gen) * D**-0.5).bfloat16()
-    wu = (torch.randn(H * E, D, I, device="cuda", generator=gen) * D**-0.5).bfloat16()
-    wd = (torch.randn(H * E, I, D, device="cuda", generator=gen) * I**-0.5).bfloat16()
-    cfg = dc.replace(ef.expert_forward_config(wg.device, S * K / E, D, wd.dtype),
-                     warp_specialized=True, cluster=cluster)
-
-    def problem():
-        x = torch.randn(S, H, D, device="cuda", generator=gen).bfloat16()
-        scores = torch.rand(H, S, E, device="cuda", generator=gen)
-        probs = torch.rand(H, S, K, device="cuda", generator=gen) + 0.1
-        return x, mhmoe.sort_routes(probs, scores.topk(K, dim=-1).indices, E)
-
-    def forward(x, layout):
-        return ef.triton_expert_forward(x, *layout, wg, wu, wd, config=cfg)
-
-    def check(y, x, layout, what):
-        det = ef.triton_expert_forward(x, *layout, wg, wu, wd, deterministic=True,
-                                       config=cfg)
-        assert rel_err(y, det) < 1e-4, what
-        torch.cuda.synchronize()
-        kept = ef._ZEROED[x.device][0]
-        assert kept.numel() >= S * D and not kept.any(), what
-
-    for call in range(2):
-        x, layout = problem()
-        check(forward(x, layout), x, layout, f"call {call}")
-    (x1, layout1), (x2, layout2) = problem(), problem()
-    torch.cuda.synchronize()
-    y1 = forward(x1, layout1)
-    side = torch.cuda.Stream()
-    with torch.cuda.stream(side):  # no wait here: zeroed_workspace orders the two
-        y2 = forward(x2, layout2)
-    torch.cuda.synchronize()
-    check(y1, x1, layout1, "default stream")
-    check(y2, x2, layout2, "side stream")
-
-    static_x, static_layout = problem()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_y = forward(static_x, static_layout)
-    for replay in range(2):
-        x, layout = problem()
-        static_x.copy_(x)
-        for dst, src in zip(static_layout, layout, strict=True):
-            dst.copy_(src)
-        graph.replay()
-        check(static_y, x, layout, f"replay {replay}")
-    del graph
-    torch.cuda.synchronize()
-    ef.release_zeroed_workspaces()
-    with pytest.raises(RuntimeError, match="warm-up"):
-        with torch.cuda.graph(torch.cuda.CUDAGraph()):
-            forward(static_x, static_layout)
-    torch.cuda.synchronize()
-
-
-_BAD_COUNTS = """
-import dataclasses as dc
-import torch, mhmoe
-import mhmoe.kernels.expert_forward as ef
-ef.FUSED_COMBINE = True
-S, H, E, K, I, D = 600, 2, 8, 4, 128, 256
-gen = torch.Generator(device="cuda").manual_seed(3)
-w = [(torch.randn(H * E, *s, device="cuda", generator=gen) * 0.06).bfloat16()
-     for s in ((D, I), (D, I), (I, D))]
-x = torch.randn(S, H, D, device="cuda", generator=gen).bfloat16()
-scores = torch.rand(H, S, E, device="cuda", generator=gen)
-layout = mhmoe.sort_routes(torch.rand(H, S, K, device="cuda", generator=gen),
-                           scores.topk(K, dim=-1).indices, E)
-# head 0: a route of token 1 given to token 0 (K + 1 routes and K - 1; the head's total
-# is still S * K, which the layout checks pass)
-ids = layout.gather_ids
-r = int((ids[:S * K] == 1).nonzero()[0])
-ids[r] = 0
-cfg = dc.replace(ef.expert_forward_config(x.device, S * K / E, D, w[2].dtype),
-                 warp_specialized=True)
-try:
-    ef.triton_expert_forward(x, *layout, *w, config=cfg)
-    torch.cuda.synchronize()
-    print("NO ERROR")
-except RuntimeError as e:
-    print("RAISED", str(e)[:300].replace(chr(10), " "))
-"""
-
-
-def test_gluon_fused_combine_stops_on_other_route_counts():
-    # A layout whose (token, head) route counts are not all K must not leave rows of y
-    # unfinished, or the kept workspace dirty, unnoticed: the launcher's device-side check
-    # of the counts stops the stream with an error. In a subprocess, since a device-side
-    # assertion ends its CUDA context.
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [os.path.join(os.path.dirname(__file__), "..", "src"), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, "-c", _BAD_COUNTS], capture_output=True, text=True,
-                         timeout=300, env=env)
-    assert "RAISED" in run.stdout and "assert" in run.stdout, (run.stdout, run.stderr[-2000:])
-
-
 def test_backward_panel_head_groups_bitwise_on_gpu(monkeypatch):
     # Panels for one head at a time (12 launches of the dx kernel and of the panel
     # GEMMs) against all heads at once: deterministic mode gives the same bits.
-    import mhmoe.kernels.backward_configs as bc
     import mhmoe.kernels.expert_backward as eb
+    import mhmoe.kernels.tuning as tuning
     from mhmoe.reference import sort_routes_reference
 
     H, E, K, D, I, S = 12, 4, 2, 256, 256, 64
@@ -547,9 +432,9 @@ def test_backward_panel_head_groups_bitwise_on_gpu(monkeypatch):
     layout = sort_routes_reference(probs, indices, E)
     whole = eb.triton_expert_backward(dy, x, *layout, *w, deterministic=True)
     R = layout[0].numel()
-    block_m = eb.expert_backward_config(x.device, R / (H * E)).dx.block_m
+    block_m = tuning.expert_backward_config(x.device, R / (H * E)).dx.block_m
     per_head = eb._panel_rows(S, H, R, E, 1, block_m) * (2 * D + 3 * I) * 2
-    monkeypatch.setattr(bc, "PANEL_WORKSPACE_BYTES", per_head)
+    monkeypatch.setattr(tuning, "PANEL_WORKSPACE_BYTES", per_head)
     grouped = eb.triton_expert_backward(dy, x, *layout, *w, deterministic=True)
     for name, a, b in zip(("dx", "dprobs", "dWg", "dWu", "dWd"), whole, grouped, strict=True):
         assert torch.equal(a, b), name
@@ -558,8 +443,8 @@ def test_backward_panel_head_groups_bitwise_on_gpu(monkeypatch):
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-4)])
 def test_backward_on_gpu_against_float64(dtype, tol):
     # The whole layer's gradients through the fused backward and the Triton routing.
-    # (The float32 case ran past 170 s on the H200 on 2026-12-02, unexplained: see
-    # benchmarks/NOTES.md. It runs last.)
+    # (The float32 case once ran past 170 s on the H200, each tile step-down recompiling a
+    # kernel: docs/expert-backward.md, "The design as it stands". It runs last.)
     cfg = MAGI2.replace(num_experts=4, top_k=2, expert_intermediate_size=256,
                         params_dtype=dtype)
     layer = make_layer(cfg, seed=3)

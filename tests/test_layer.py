@@ -225,7 +225,7 @@ def test_fused_router_in_the_layer(rng):
 
 
 def test_autocast_does_not_change_the_numerics(rng):
-    # SPEC: router logits in fp32, expert accumulators in fp32. An autocast region
+    # docs/contract.md: router logits in fp32, expert accumulators in fp32. An autocast region
     # around the call (common in diffusion inference) must not turn them into bf16.
     cfg = SMALL.replace(params_dtype=torch.bfloat16)
     layer = MultiHeadMoE(cfg)
@@ -267,7 +267,7 @@ def test_deterministic_env_reaches_the_kernel(rng, monkeypatch):
 def test_layer_hands_route_counts_to_the_layout(rng, monkeypatch, fused_router):
     # Triton path (the interpreter): the route kernels' block counts reach the layout, which
     # then has no count step; the output equals the PyTorch path's layout and experts.
-    import mhmoe.kernels.routing as kr
+    import mhmoe.kernels.layout as kr
 
     seen = []
     real = kr.triton_sort_routes
@@ -291,3 +291,61 @@ def test_layer_hands_route_counts_to_the_layout(rng, monkeypatch, fused_router):
                                    layer.W_gate, layer.W_up, layer.W_down, backend="triton")
     assert seen == [True]
     assert torch.equal(y, ref.reshape(9, 64))
+
+
+ROUTER = ("gate", "router.expert_bias", "router.expert_bias_ema")
+EXPERTS = ("W_gate", "W_up", "W_down")
+
+
+def _dtypes(layer):
+    return {name: p.dtype for name, p in layer.named_parameters()}
+
+
+def test_dtype_argument_like_other_pytorch_modules(rng):
+    # MultiHeadMoE(cfg, dtype=...) was a TypeError. dtype is the experts' dtype: it
+    # overrides config.params_dtype (and the config says so); the router stays float32.
+    layer = MultiHeadMoE(SMALL, dtype=torch.bfloat16)
+    assert layer.config == SMALL.replace(params_dtype=torch.bfloat16)
+    assert {_dtypes(layer)[n] for n in EXPERTS} == {torch.bfloat16}
+    assert {_dtypes(layer)[n] for n in ROUTER} == {torch.float32}
+    assert MultiHeadMoE(SMALL, dtype=torch.float32).config is SMALL  # agrees: unchanged
+    assert MultiHeadMoE(SMALL, device="meta", dtype=None).W_up.dtype == torch.float32
+    with pytest.raises(TypeError, match="floating"):
+        MultiHeadMoE(SMALL, dtype=torch.int32)
+    x = torch.randn(5, SMALL.hidden_size, generator=rng).bfloat16()
+    with torch.no_grad():
+        assert layer(x).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("cast", ["half", "to_fp16", "to_bf16_and_device", "double_then_half"])
+def test_casts_keep_the_router_in_fp32_and_the_repr_true(rng, cast):
+    layer = MultiHeadMoE(SMALL)
+    randomize(layer, rng)
+    gate = layer.gate.detach().clone()
+    x = torch.randn(4, SMALL.hidden_size, generator=rng)
+    layer(x).square().sum().backward()  # grads too: they follow their parameters
+    want = torch.bfloat16 if cast == "to_bf16_and_device" else torch.float16
+    if cast == "half":
+        out = layer.half()
+    elif cast == "to_fp16":
+        out = layer.to(torch.float16)
+    elif cast == "to_bf16_and_device":
+        out = layer.to("cpu", torch.bfloat16)
+    else:
+        assert {_dtypes(layer.double())[n] for n in ROUTER} == {torch.float64}
+        out = layer.half()
+    assert out is layer
+    assert {_dtypes(layer)[n] for n in EXPERTS} == {want}
+    assert {_dtypes(layer)[n] for n in ROUTER} == {torch.float32}, _dtypes(layer)
+    assert torch.equal(layer.gate.detach(), gate)  # the router was not rounded on the way
+    assert layer.gate.grad.dtype == torch.float32 and layer.W_up.grad.dtype == want
+    assert not any(p.requires_grad for p in layer.router.parameters())
+    assert layer.config.params_dtype == want
+    assert f"dtype={want}" in repr(layer) and "router_dtype=torch.float32" in repr(layer)
+    assert "bfloat16" not in repr(layer) or want == torch.bfloat16
+    with torch.no_grad():
+        assert layer(x.to(want)).dtype == want
+    # and back: float() makes everything float32 again
+    layer.float()
+    assert set(_dtypes(layer).values()) == {torch.float32}
+    assert layer.config.params_dtype == torch.float32

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import mhmoe
+from mhmoe.config import RouterOptions
 from oracle import route_row
 
 
@@ -151,6 +152,59 @@ def test_route_rejects_bad_logits():
         mhmoe.route(torch.ones(1, 3, 8, dtype=torch.int64), 2)
 
 
+# ---------------------------------------------------------------- RouterOptions
+
+
+@pytest.mark.parametrize("bad", [
+    dict(top_k=0), dict(top_k=True), dict(top_k=2.0), dict(score_func="relu"),
+    dict(route_norm=1), dict(norm_eps=0.0), dict(norm_eps=float("nan")),
+    dict(route_scale="4.9"), dict(num_groups=0), dict(topk_groups=0),
+])
+def test_router_options_rejects_bad_fields(bad):
+    # checked once, when built; the message names the field
+    args = dict(top_k=2)
+    args.update(bad)
+    with pytest.raises(ValueError, match=f"RouterOptions.{next(iter(bad))}"):
+        RouterOptions(**args)
+    with pytest.raises(ValueError, match="topk_groups"):
+        RouterOptions(2, num_groups=2, topk_groups=3)
+
+
+def test_router_options_check_needs_the_experts():
+    # the rules that need E: top_k <= E (edge: K = E passes), groups dividing E
+    RouterOptions(8).check(8)
+    with pytest.raises(ValueError, match=r"route: top_k must be an int in \[1, E=8\]"):
+        RouterOptions(9).check(8, "route")
+    with pytest.raises(ValueError, match="must divide"):
+        RouterOptions(2, num_groups=3).check(8)
+    RouterOptions(2, num_groups=4, topk_groups=2).check(8)
+
+
+def test_router_options_cross_the_op_boundary_as_flat_scalars():
+    options = RouterOptions(6, "softmax", False, 1e-9, 4.9, 4, 2)
+    flat = options.op_args()
+    assert flat == (6, "softmax", False, 1e-9, 4.9, 4, 2)
+    assert RouterOptions(*flat) == options
+    names = ("top_k", "score_func", "route_norm", "norm_eps", "route_scale", "num_groups",
+             "topk_groups")
+    inputs = {"logits": None, "with_counts": True, **dict(zip(names, flat, strict=True))}
+    assert RouterOptions.from_op_args(inputs) == options
+    # the layer's config hands its routing fields over as one object
+    assert mhmoe.MAGI2_PREVIEW.router_options == RouterOptions(6, route_scale=4.9)
+
+
+def test_routing_returns_named_tuples():
+    # one return type whatever the flags: route -> Routes, route_tokens -> TokenRoutes
+    logits = torch.randn(2, 3, 8)
+    routes = mhmoe.route(logits, 2)
+    assert isinstance(routes, mhmoe.routing.Routes) and routes.indices.shape == (2, 3, 2)
+    x, gate = torch.randn(3, 2, 16), torch.randn(2, 8, 16)
+    for block_counts in (False, True):
+        out = mhmoe.routing.route_tokens(x, gate, RouterOptions(2), block_counts=block_counts)
+        assert isinstance(out, mhmoe.routing.TokenRoutes)
+        assert out.block_counts is None  # the PyTorch path counts nothing
+
+
 # ---------------------------------------------------------------- sort_routes
 
 def _csr_oracle(probs, indices, E):
@@ -262,7 +316,8 @@ def test_triton_routing_ops_registration(rng):
     from mhmoe.routing import _route_triton_op, _sort_routes_triton_op
 
     logits = torch.randn(2, 4, 8, generator=rng).requires_grad_()
-    torch.library.opcheck(_route_triton_op, (logits, 3, "sigmoid", None, True, 1e-12, 2.0, 1, 1))
+    torch.library.opcheck(_route_triton_op,
+                          (logits, None, *RouterOptions(3, route_scale=2.0).op_args()))
     probs, indices = mhmoe.route(logits.detach(), 3)
     torch.library.opcheck(_sort_routes_triton_op, (probs.requires_grad_(), indices, 8))
 
@@ -289,7 +344,7 @@ def test_triton_layout_writes_positions_only_for_a_gradient(rng, monkeypatch):
     (mhmoe.sort_routes(p_ref, indices, E, backend="torch").sorted_probs * g).sum().backward()
     assert torch.equal(p.grad, p_ref.grad)
     # sort_routes asks for positions exactly when probs needs a gradient
-    import mhmoe.kernels.routing as kr
+    import mhmoe.kernels.layout as kr
 
     asked = _record_kwarg(monkeypatch, kr, "triton_sort_routes", "return_positions")
     mhmoe.sort_routes(probs, indices, E, backend="triton")
@@ -346,9 +401,9 @@ def test_route_tokens_fused_matches_unfused_with_gradients(rng, score_func):
     out = {}
     for fused in (True, False):
         xx, gg = x.clone().requires_grad_(), gate.clone().requires_grad_()
-        probs, indices = mhmoe.routing.route_tokens(xx, gg, 4, score_func, bias,
-                                                    route_scale=4.9, backend="triton",
-                                                    fused=fused)
+        probs, indices, _ = mhmoe.routing.route_tokens(
+            xx, gg, RouterOptions(4, score_func, route_scale=4.9), bias, backend="triton",
+            fused=fused)
         (probs * grad_p).sum().backward()
         out[fused] = (probs.detach(), indices, xx.grad, gg.grad)
     (p_f, i_f, gx_f, gg_f), (p_u, i_u, gx_u, gg_u) = out[True], out[False]
@@ -361,24 +416,24 @@ def test_route_tokens_fused_matches_unfused_with_gradients(rng, score_func):
 
 def test_route_tokens_saves_logits_only_for_a_backward(rng, monkeypatch):
     # No-grad calls (inference) write no logits for a backward; grad calls do.
-    import mhmoe.kernels.routing as kr
+    import mhmoe.kernels.router_logits as kr
 
     seen = _record_kwarg(monkeypatch, kr, "triton_logits_route", "return_logits")
     x, gate, bias = _token_inputs(rng)
-    call = lambda xx, gg: mhmoe.routing.route_tokens(xx, gg, 3, "sigmoid", bias,  # noqa: E731
-                                                     backend="triton")
-    probs, _ = call(x, gate)
+    call = lambda xx, gg: mhmoe.routing.route_tokens(xx, gg, RouterOptions(3),  # noqa: E731
+                                                     bias, backend="triton")
+    probs = call(x, gate).probs
     assert probs.grad_fn is None
     with torch.no_grad():
-        probs, _ = call(x.requires_grad_(), gate.requires_grad_())
+        probs = call(x.requires_grad_(), gate.requires_grad_()).probs
     assert probs.grad_fn is None
-    probs, _ = call(x, gate)
+    probs = call(x, gate).probs
     assert probs.grad_fn is not None
     assert seen == [False, False, True]
 
 
 def test_route_tokens_path_choice(rng, monkeypatch):
-    import mhmoe.kernels.routing as kr
+    import mhmoe.kernels.router_logits as kr
 
     calls = []
     real = kr.triton_logits_route
@@ -386,30 +441,33 @@ def test_route_tokens_path_choice(rng, monkeypatch):
                         lambda *a, **k: calls.append(1) or real(*a, **k))
     x, gate, _ = _token_inputs(rng)
     route_tokens = mhmoe.routing.route_tokens
+    k3 = RouterOptions(3)
     # the fused kernel is the default on the triton path with bf16 x ...
-    route_tokens(x, gate, 3, backend="triton")
+    route_tokens(x, gate, k3, backend="triton")
     assert calls == [1]
     # ... and never taken elsewhere: fp32 x, the torch path, fused=False
-    route_tokens(x.float(), gate, 3, backend="triton")
-    route_tokens(x, gate, 3, backend="torch")
-    route_tokens(x, gate, 3, backend="triton", fused=False)
+    route_tokens(x.float(), gate, k3, backend="triton")
+    route_tokens(x, gate, k3, backend="torch")
+    route_tokens(x, gate, k3, backend="triton", fused=False)
     assert calls == [1]
     # asked for explicitly where it cannot run: an error that says why, no slow path
     with pytest.raises(ValueError, match="bfloat16"):
-        route_tokens(x.float(), gate, 3, backend="triton", fused=True)
+        route_tokens(x.float(), gate, k3, backend="triton", fused=True)
     with pytest.raises(ValueError, match="PyTorch path"):
-        route_tokens(x, gate, 3, backend="torch", fused=True)
+        route_tokens(x, gate, k3, backend="torch", fused=True)
     with pytest.raises(ValueError, match="power of two"):
-        route_tokens(x, gate[:, :12], 3, backend="triton", fused=True)
+        route_tokens(x, gate[:, :12], k3, backend="triton", fused=True)
     # the argument checks of route()
     with pytest.raises(ValueError, match="top_k"):
-        route_tokens(x, gate, 17, backend="triton")
+        route_tokens(x, gate, RouterOptions(17), backend="triton")
     with pytest.raises(ValueError, match="expert_bias"):
-        route_tokens(x, gate, 3, expert_bias=torch.zeros(5), backend="triton")
+        route_tokens(x, gate, k3, expert_bias=torch.zeros(5), backend="triton")
     with pytest.raises(ValueError, match=r"\[H=2, E, D=32\]"):
-        route_tokens(x, gate[:1], 3)
+        route_tokens(x, gate[:1], k3)
+    with pytest.raises(ValueError, match="RouterOptions"):
+        route_tokens(x, gate, 3)
     # the unfused path of a float64 router keeps float64 (gradient checks)
-    probs, _ = route_tokens(x.double(), gate.double(), 3)
+    probs = route_tokens(x.double(), gate.double(), k3).probs
     assert probs.dtype == torch.float64
 
 
@@ -418,8 +476,8 @@ def test_fused_routing_op_registration(rng):
 
     x, gate, bias = _token_inputs(rng, S=5)
     for save_logits in (True, False):
-        args = (x.requires_grad_(save_logits), gate.requires_grad_(save_logits), 3, "sigmoid",
-                bias, True, 1e-12, 2.0, 1, 1, save_logits)
+        args = (x.requires_grad_(save_logits), gate.requires_grad_(save_logits), bias,
+                *RouterOptions(3, route_scale=2.0).op_args(), save_logits)
         torch.library.opcheck(_logits_route_triton_op, args)
 
 
@@ -427,9 +485,10 @@ def test_fused_routing_under_torch_compile(rng):
     # fullgraph: the op's fake implementation, the grad-mode decision and the backward
     x, gate, bias = _token_inputs(rng, S=7)
 
+    options = RouterOptions(3, route_scale=4.9)
+
     def f(xx, gg):
-        probs, indices = mhmoe.routing.route_tokens(xx, gg, 3, "sigmoid", bias,
-                                                    route_scale=4.9, backend="triton")
+        probs, indices, _ = mhmoe.routing.route_tokens(xx, gg, options, bias, backend="triton")
         return probs, indices
 
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
@@ -452,12 +511,12 @@ def test_route_tokens_block_counts_to_sort_routes(rng, backend, fused):
     # block; the layout from those counts equals the layout without them. The PyTorch
     # path makes none (None), and sort_routes then counts itself.
     x, gate, bias = _token_inputs(rng, S=21, E=16)
+    options = RouterOptions(3, route_scale=4.9)
     probs, indices, counts = mhmoe.routing.route_tokens(
-        x, gate, 3, "sigmoid", bias, route_scale=4.9, backend=backend, fused=fused,
-        block_counts=True)
-    p2, i2 = mhmoe.routing.route_tokens(x, gate, 3, "sigmoid", bias, route_scale=4.9,
-                                        backend=backend, fused=fused)
-    assert torch.equal(probs, p2) and torch.equal(indices, i2)
+        x, gate, options, bias, backend=backend, fused=fused, block_counts=True)
+    p2, i2, none = mhmoe.routing.route_tokens(x, gate, options, bias, backend=backend,
+                                              fused=fused)
+    assert torch.equal(probs, p2) and torch.equal(indices, i2) and none is None
     if backend == "torch":
         assert counts is None
     else:
@@ -475,13 +534,11 @@ def test_routing_ops_registration_with_counts(rng):
     from mhmoe.routing import _logits_route_triton_op, _route_triton_op, _sort_routes_triton_op
 
     logits = torch.randn(2, 4, 8, generator=rng).requires_grad_()
-    torch.library.opcheck(_route_triton_op,
-                          (logits, 3, "sigmoid", None, True, 1e-12, 2.0, 1, 1, True))
+    op_args = RouterOptions(3, route_scale=2.0).op_args()
+    torch.library.opcheck(_route_triton_op, (logits, None, *op_args, True))
     x, gate, bias = _token_inputs(rng, S=5)
-    torch.library.opcheck(_logits_route_triton_op,
-                          (x, gate, 3, "sigmoid", bias, True, 1e-12, 2.0, 1, 1, False, True))
-    probs, indices, counts = _route_triton_op(logits.detach(), 3, "sigmoid", None, True, 1e-12,
-                                              2.0, 1, 1, True)
+    torch.library.opcheck(_logits_route_triton_op, (x, gate, bias, *op_args, False, True))
+    probs, indices, counts = _route_triton_op(logits.detach(), None, *op_args, True)
     torch.library.opcheck(_sort_routes_triton_op, (probs.requires_grad_(), indices, 8, counts))
 
 
@@ -489,10 +546,11 @@ def test_route_and_layout_with_counts_under_torch_compile(rng):
     # fullgraph: the counts go from one op's output to the other's input, on the device,
     # with fake shapes computed from S and K alone
     x, gate, bias = _token_inputs(rng, S=7)
+    options = RouterOptions(3, route_scale=4.9)
 
     def f(xx, gg):
         probs, indices, counts = mhmoe.routing.route_tokens(
-            xx, gg, 3, "sigmoid", bias, route_scale=4.9, backend="triton", block_counts=True)
+            xx, gg, options, bias, backend="triton", block_counts=True)
         layout = mhmoe.sort_routes(probs, indices, 16, backend="triton", block_counts=counts)
         return probs, *layout
 

@@ -1,4 +1,4 @@
-"""The sm_90 SASS audit of the tensor-core kernels (`mhmoe.kernels.sass_audit`), on the CPU.
+"""The sm_90 SASS audit of the tensor-core kernels (`tools/sass_audit.py`), on the CPU.
 
 Compiling needs the real (not interpreted) kernels, so the whole audit runs in a
 subprocess without TRITON_INTERPRET; the walk over SASS is checked in-process on
@@ -12,14 +12,16 @@ import os
 import subprocess
 import sys
 
-from mhmoe.kernels import expert_forward
-from mhmoe.kernels.sass_audit import register_a_hazards
+TOOLS = os.path.join(os.path.dirname(__file__), "..", "tools")
+sys.path.insert(0, TOOLS)
+from sass_audit import register_a_hazards  # noqa: E402
 
 
 def _compiled(*args: str, timeout: int = 600) -> str:
     """stdout of `python *args` with the kernels compiled, not interpreted (no
     TRITON_INTERPRET); fails the test with the end of stderr if it fails."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [TOOLS, env.get("PYTHONPATH")]))
     run = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True,
                          timeout=timeout)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -70,8 +72,8 @@ def test_walk_accepts_waits_that_retire_the_group_first():
 def test_compiled_sm90_kernels_have_no_register_a_hazards():
     # The tensor-core kernels at the tiles their launchers pick on sm_90 (MAGI-2 dims),
     # compiled here with Triton's own ptxas and cuobjdump; the canary kernel keeps the
-    # pattern of the routing v8 race and must be flagged.
-    rows = json.loads(_compiled("-m", "mhmoe.kernels.sass_audit", "--json", timeout=900))
+    # pattern of the logits kernel's old race and must be flagged.
+    rows = json.loads(_compiled(os.path.join(TOOLS, "sass_audit.py"), "--json", timeout=900))
     canary, shipped = rows[0], rows[1:]
     assert canary["kernel"].startswith("canary") and canary["hazards"], canary
     names = [r["kernel"] for r in shipped]
@@ -90,53 +92,28 @@ def test_compiled_sm90_kernels_have_no_register_a_hazards():
     # The default mode's fp32 adds are reductions (REDG: nothing comes back) in both
     # variants. gl.atomic_add's version compiled to REDG in the one-CTA kernel but to
     # ATOMG, which returns the old values, in the cluster variant: each warp then waited
-    # on the round trips. The deterministic mode stores; counts only with the fused
-    # combine (forward v7, `expert_forward.FUSED_COMBINE`).
+    # on the round trips. The deterministic mode stores; neither mode counts.
     for r in ws:
         default = "deterministic" not in r["kernel"]
         assert r["reductions"] == (128 if default else 0) and r["fp32_atomics"] == 0, r
-        assert r["counts"] == (2 if default and expert_forward.FUSED_COMBINE else 0), r
-
-
-def test_gluon_logits_experiment_still_compiles_for_sm90():
-    # benchmarks/experiments/logits_gluon_ws.py (routing v13, not kept) calls the shortlist
-    # epilogue of the routing kernels (`_shortlist`, with its columns' layout passed in)
-    # from Gluon: compiled here for sm_90 in each of its variants, so that a change to
-    # those helpers cannot leave the recorded experiment unrunnable unnoticed.
-    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "experiments",
-                          "logits_gluon_ws.py")
-    out = _compiled(script, "--compile-only")
-    lines = out.strip().splitlines()
-    assert len(lines) == 5, out
-    # 12 warps (two MMA warpgroups, the loaders' warpgroup), no spills, under 227 KB
-    for line in lines:
-        assert "12 warps" in line and "0 bytes spill stores" in line, line
-        assert int(line.split("shared ")[1].split(" B")[0]) <= 227 * 1024, line
-
-
-def test_gluon_logits_epilogue_experiment_still_compiles_for_sm90():
-    # benchmarks/experiments/logits_epi_ws.py (routing v14, not kept: the epilogue on two
-    # warpgroups of its own) calls `_shortlist` too: 16 warps (the MMA warpgroup, two
-    # epilogue warpgroups, the loader's), no spills, under 227 KB of shared memory.
-    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "experiments",
-                          "logits_epi_ws.py")
-    line = _compiled(script, "--compile-only").strip().splitlines()[-1]
-    assert "16 warps" in line and "0 bytes spill stores" in line, line
-    assert int(line.split("shared ")[1].split(" B")[0]) <= 227 * 1024, line
+        assert r["counts"] == 0, r
 
 
 _CLUSTER_PROBE = """
 import json, re
-from mhmoe.kernels import expert_forward_ws as ws, sass_audit
-sig, cx = ws.sm90_signature(256, 1280, False, 2)
-k = sass_audit.compile_sm90(ws._expert_forward_ws_kernel, sig, cx, 4, 1,
-                            ("stride_xs", "stride_xh"), ws.MAXNREG)
+import sass_audit
+from mhmoe.kernels import expert_forward_sm90 as ws
+from mhmoe.kernels.tuning import expert_forward_sm90_config
+cfg = expert_forward_sm90_config()
+sig, cx = ws.sm90_signature(cfg, 256, 1280, False, 2)
+k = sass_audit.compile_sm90(ws._expert_forward_sm90_kernel, sig, cx, cfg.num_warps, 1,
+                            ("stride_xs", "stride_xh"), cfg.maxnreg)
 ptx = k.asm["ptx"]
 consts = {int(c) for c in re.findall(r"@global_smem, i32 (\\d+)", k.asm["llir"])}
 print(json.dumps({"offsets": ws.smem_offsets(k.asm["llir"]), "shared": k.metadata.shared,
                   "x_halves_found": [o in consts for o in (163840, 196608)],
                   "tensormap_fences": ptx.count("fence.proxy.tensormap::generic.acquire"),
-                  "stages_bytes": ws.NSTAGE * 64 * 128 * 2,
+                  "stages_bytes": cfg.num_stages * 64 * 128 * 2,
                   "multicast": ptx.count(".multicast::cluster"),
                   "remote_arrive": ptx.count("mbarrier.arrive.shared::cluster"),
                   "cluster_barriers": ptx.count("barrier.cluster.wait")}))
@@ -144,7 +121,7 @@ print(json.dumps({"offsets": ws.smem_offsets(k.asm["llir"]), "shared": k.metadat
 
 
 def test_cluster_variant_compiles_with_its_inline_ptx():
-    # The cluster variant of the Gluon kernel (forward v6) addresses its ring and barriers
+    # The cluster variant of the Gluon kernel addresses its ring and barriers
     # by shared-memory offsets: the ring at 0 (so the x tile's halves right after its
     # NSTAGE * 16 KB), the barriers read from the compiled LLVM IR (`smem_offsets`), which
     # must find them past the ring and apart; and its inline PTX must be in the kernel:
@@ -159,31 +136,3 @@ def test_cluster_variant_compiles_with_its_inline_ptx():
     assert got["multicast"] == 24 and got["remote_arrive"] == 6, got
     assert got["tensormap_fences"] == 3, got
     assert got["cluster_barriers"] == 10, got
-
-
-_FUSED_PROBE = """
-import json
-from mhmoe.kernels import expert_forward_ws as ws, sass_audit
-rows = []
-for cluster in (1, 2):
-    sig, cx = ws.sm90_signature(256, 1280, False, cluster, fused=True)
-    sass = sass_audit.compile_sass(ws._expert_forward_ws_kernel, sig, cx, 4, 1,
-                                   ("stride_xs", "stride_xh"), ws.MAXNREG)
-    rows.append({"cluster": cluster, "hazards": sass_audit.register_a_hazards(sass)[1],
-                 "async_waits": len(sass_audit._ASYNC_WAIT.findall(sass)),
-                 **sass_audit.combine_ops(sass)})
-print(json.dumps(rows))
-"""
-
-
-def test_fused_combine_compiles_to_reductions_and_counts():
-    # Forward v7's fused combine (off by default; the audit above covers the kernels that
-    # ship): in both variants its fp32 adds are reductions too, its counts are its only
-    # other GPU-scope atomics, and the MMA warpgroups still keep wgmma groups in flight,
-    # with no register-A hazard.
-    rows = json.loads(_compiled("-c", _FUSED_PROBE).strip().splitlines()[-1])
-    assert len(rows) == 2
-    for row in rows:
-        assert row["hazards"] == [] and row["async_waits"] >= 14, row
-        assert row["reductions"] == 128 and row["fp32_atomics"] == 0, row
-        assert row["counts"] == 2, row

@@ -1,7 +1,19 @@
-"""Timing harness: medians of repeated runs, FLOP and byte counts, measured peaks, plots.
+"""The one timing harness: medians, CUDA graphs, interleaved A/B, result rows, plots.
 
-Every number a benchmark prints comes from here, so CLI sweeps and the scripts
-in benchmarks/ count FLOPs and time kernels the same way.
+Every number a benchmark prints comes from here, so the CLI's sweeps and the
+scripts in benchmarks/ count FLOPs and time kernels the same way:
+
+    time_fn(fn, device=...)          median of event-timed calls (any device)
+    bench_ms(fn)                     triton.testing.do_bench's median (CUDA)
+    graph_ms(fn)                     fn captured once in a CUDA graph, replays timed
+    interleaved([(name, fn), ...])   variants taking turns in shuffled rounds, for A/Bs
+                                     under the H200's power cap (docs/measuring.md)
+    append_results(rows)             rows appended to benchmarks/results.jsonl
+
+A result row (`result_row`) holds what it takes to trust and reproduce a
+number: kernel, variant, tokens, ms, TFLOP/s, GPU, versions, commit and date.
+This module imports nothing else of mhmoe at import time, so that
+benchmarks/ab_trees.py can load it beside another tree's package.
 """
 
 from __future__ import annotations
@@ -10,16 +22,22 @@ import datetime
 import json
 import os
 import platform
+import random
 import statistics
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from .config import MultiHeadMoEConfig
+if TYPE_CHECKING:
+    from .config import MultiHeadMoEConfig
+
+# The append-only results file of the repository (benchmarks/results.jsonl).
+RESULTS_FILE = Path(__file__).resolve().parents[2] / "benchmarks" / "results.jsonl"
 
 
 @dataclass
@@ -63,6 +81,79 @@ def time_fn(fn: Callable[[], object], *, device: torch.device | str = "cpu", war
     return Timing(statistics.median(times), min(times), max(times), len(times))
 
 
+def bench_ms(fn: Callable[[], object], *, warmup: int = 25, rep: int = 100) -> float:
+    """Median ms of `fn()` by triton.testing.do_bench (CUDA; L2 flushed between calls)."""
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def graph_ms(fn: Callable[[], object], *, replays: int = 20, runs: int = 10) -> float:
+    """Median ms of one replay of `fn` captured in a CUDA graph (after warm-up calls on
+    a side stream, as capture needs). The launches cost nothing on the host here, so
+    this is the GPU time a model that replays graphs sees."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(runs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / replays)
+    return statistics.median(times)
+
+
+@dataclass
+class Interleaved:
+    """One variant of an interleaved A/B: median ms over all calls, and per round."""
+
+    median_ms: float
+    round_medians_ms: list[float]
+
+
+def interleaved(variants: Sequence[tuple[str, Callable[[], object]]], *, rounds: int = 20,
+                per_round: int = 10, seed: int = 0) -> dict[str, Interleaved]:
+    """Time variants that take turns: `rounds` rounds of `per_round` back-to-back calls
+    of each, every call timed by its own CUDA events, the order of the variants shuffled
+    each round (seeded). Under a power cap the clocks drift for seconds, so variants
+    timed one after the other differ by as much as the changes compared; shuffled
+    rounds give every variant the same mix of clock states and predecessors
+    (docs/measuring.md). Each variant is called once first (compile, warm-up)."""
+    names = [name for name, _ in variants]
+    if len(set(names)) != len(names):
+        raise ValueError(f"interleaved: variant names must be unique, got {names}")
+    for _, fn in variants:
+        fn()
+    torch.cuda.synchronize()
+    times: dict[str, list[list[float]]] = {name: [] for name in names}
+    order = random.Random(seed)
+    for _ in range(rounds):
+        for name, fn in order.sample(list(variants), len(variants)):
+            events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                      for _ in range(per_round)]
+            for start, end in events:
+                start.record()
+                fn()
+                end.record()
+            torch.cuda.synchronize()
+            times[name].append([s.elapsed_time(e) for s, e in events])
+    return {name: Interleaved(statistics.median(t for r in rs for t in r),
+                              [statistics.median(r) for r in rs])
+            for name, rs in times.items()}
+
+
 def matmul_peak_tflops(device: torch.device | str, n: int = 8192, dtype=torch.bfloat16) -> float:
     """TFLOP/s of an n^3 matmul on random data (never zeros: they run faster)."""
     gen = torch.Generator(device=device).manual_seed(0)
@@ -78,6 +169,14 @@ def copy_bandwidth_tbs(device: torch.device | str, nbytes: int = 4 << 30) -> flo
     dst = torch.empty_like(src)
     t = time_fn(lambda: dst.copy_(src), device=device, warmup=3, runs=10)
     return 2 * nbytes / (t.median_ms * 1e-3) / 1e12
+
+
+def measured_peaks(device: torch.device | str) -> dict:
+    """What a run compares its kernels with, measured in that run: the bf16 8192^3
+    matmul's TFLOP/s and a device copy's TB/s ({} off CUDA)."""
+    if torch.device(device).type != "cuda":
+        return {}
+    return {"matmul_tflops": matmul_peak_tflops(device), "copy_tbs": copy_bandwidth_tbs(device)}
 
 
 def device_name(device: torch.device | str) -> str:
@@ -128,6 +227,35 @@ class BenchRow:
     tflops: float      # expert FLOPs / experts_ms
     rel_err: float | None = None
     extra: dict = field(default_factory=dict)
+
+
+def result_row(kernel: str, variant: str, tokens: int, ms: float, *, env: dict,
+               tflops: float | None = None, **extra) -> dict:
+    """One row of the results file: what was timed, the time, and the machine, versions,
+    commit and date of `environment()`; `extra` holds anything else worth keeping
+    (peaks measured in the same run, errors, memory, the command)."""
+    return {"kernel": kernel, "variant": variant, "tokens": int(tokens), "ms": float(ms),
+            "tflops": None if tflops is None else float(tflops),
+            "gpu": env.get("device"), "torch": env.get("torch"), "triton": env.get("triton"),
+            "commit": env.get("commit"), "date": env.get("date"), **extra}
+
+
+def append_results(rows: Iterable[dict], path: str | os.PathLike | None = None) -> Path:
+    """Append `rows` (from `result_row`) to the results file, one JSON object a line.
+    The file is append-only: earlier rows are never rewritten."""
+    path = Path(path) if path is not None else RESULTS_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = "".join(json.dumps(row, sort_keys=True) + "\n" for row in rows)
+    with open(path, "a") as f:
+        f.write(lines)
+    return path
+
+
+def read_results(path: str | os.PathLike | None = None) -> list[dict]:
+    """Every row of the results file."""
+    path = Path(path) if path is not None else RESULTS_FILE
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
 
 
 def expert_tflops(config: MultiHeadMoEConfig, tokens: int, ms: float) -> float:

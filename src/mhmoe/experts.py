@@ -1,9 +1,17 @@
-"""`expert_forward()` and `swiglu7()`: the expert MLPs of every route (SPEC section 4).
+"""`expert_forward()` and `swiglu7()`: the expert MLPs of every route (docs/contract.md
+section 4).
 
 Two paths compute the same function: "torch" (reference.py, any device, any
-float dtype) and "triton" (the fused kernel of kernels/expert_forward.py, CUDA;
-on the CPU only under TRITON_INTERPRET=1, for tests). "auto" takes the fused
-kernel on CUDA and the PyTorch path elsewhere.
+float dtype) and "triton" (the fused kernels of kernels/expert_forward.py and
+kernels/expert_backward.py, CUDA; on the CPU only under TRITON_INTERPRET=1, for
+tests). "auto" takes the fused kernels on CUDA and the PyTorch path elsewhere.
+
+`expert_forward_fp8()` is the same for fp8 expert weights (mhmoe.fp8; inference
+only): the kernel of kernels/expert_forward_fp8.py, or its float64 twin.
+
+The module reads in order: the checks and the choice of path, the torch.library
+ops (forward, backward, fake implementations) with the autograd formula attached
+to the forward op, then the public functions.
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ import warnings
 import torch
 
 from .backends import resolve_backend as _resolve
+from .fp8 import ACT_BLOCK, FP8, INFERENCE_ONLY, Fp8Weights, fp8_expert_reference
 from .reference import expert_backward_reference, expert_forward_reference, swiglu7_reference
 
 
@@ -32,39 +41,35 @@ def kernel_shape_problem(x_heads: torch.Tensor, w_gate: torch.Tensor) -> str | N
 _warned: set[str] = set()
 
 
-def _pick_path(backend: str, x_heads: torch.Tensor, w_gate: torch.Tensor) -> str:
+def fp8_kernel_shape_problem(x_heads: torch.Tensor, w_gate: torch.Tensor) -> str | None:
+    """Why the fp8 kernel cannot take these shapes, or None if it can: it holds a row's
+    D values in one tile (a power of two) and walks I in blocks of ACT_BLOCK."""
+    D, I = w_gate.shape[1], w_gate.shape[2]
+    if D < 16 or D & (D - 1) or I % ACT_BLOCK:
+        return (f"D={D} must be a power of two >= 16 and I={I} a multiple of {ACT_BLOCK} for "
+                f"the fp8 kernel")
+    return None
+
+
+def _pick_path(backend: str, x_heads: torch.Tensor, w_gate: torch.Tensor,
+               op: str = "expert_forward", shape_problem=kernel_shape_problem) -> str:
     """The path one call takes: resolve_backend, plus the kernel's shape rule.
 
     An explicit "triton" with shapes the kernel cannot take is an error; under
     "auto" such shapes run the PyTorch path and say so once in a warning.
     """
-    path = resolve_backend(backend, x_heads.device)
+    path = _resolve(backend, x_heads.device, op=op)
     if path != "triton":
         return path
-    problem = kernel_shape_problem(x_heads, w_gate)
+    problem = shape_problem(x_heads, w_gate)
     if problem is None:
         return path
     if backend == "triton":
-        raise ValueError(f"expert_forward: {problem}")
+        raise ValueError(f"{op}: {problem}")
     if problem not in _warned:
         _warned.add(problem)
-        warnings.warn(f"expert_forward: {problem}; these shapes run the PyTorch path",
-                      stacklevel=3)
+        warnings.warn(f"{op}: {problem}; these shapes run the PyTorch path", stacklevel=3)
     return "torch"
-
-
-def swiglu7(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU7 of the gate and up accumulators (any matching shapes, float).
-
-    a = min(g, 7) * sigmoid(1.702 * min(g, 7)) * (clamp(u, -7, 7) + 1)
-    """
-    if gate.shape != up.shape:
-        raise ValueError(f"swiglu7: gate and up shapes differ: {tuple(gate.shape)} vs "
-                         f"{tuple(up.shape)}")
-    if not (gate.dtype.is_floating_point and up.dtype.is_floating_point):
-        raise ValueError(f"swiglu7: gate and up must be floating point, got {gate.dtype} and "
-                         f"{up.dtype}")
-    return swiglu7_reference(gate, up)
 
 
 def check_expert_inputs(x_heads, gather_ids, sorted_probs, offsets, w_gate, w_up, w_down) -> None:
@@ -103,6 +108,24 @@ def check_expert_inputs(x_heads, gather_ids, sorted_probs, offsets, w_gate, w_up
     if len(devices) != 1:
         raise ValueError(f"expert_forward: inputs are on several devices: "
                          f"{sorted(map(str, devices))}")
+
+
+def check_fp8_expert_inputs(x_heads, gather_ids, sorted_probs, offsets, w_gate, w_up, w_down,
+                            gate_scale, up_scale, down_scale) -> None:
+    """`check_expert_inputs`, plus: e4m3 weights and their fp32 scales
+    ([F, I], [F, I], [F, D]) on the same device; reads nothing back from the device."""
+    check_expert_inputs(x_heads, gather_ids, sorted_probs, offsets, w_gate, w_up, w_down)
+    if w_gate.dtype != FP8:
+        raise ValueError(f"expert_forward_fp8: the weights must be {FP8}, got {w_gate.dtype}")
+    F, D, I = w_gate.shape
+    for name, t, shape in (("gate_scale", gate_scale, (F, I)), ("up_scale", up_scale, (F, I)),
+                           ("down_scale", down_scale, (F, D))):
+        if tuple(t.shape) != shape or t.dtype != torch.float32:
+            raise ValueError(f"expert_forward_fp8: {name} must be float32 {list(shape)}, got "
+                             f"{t.dtype} {list(t.shape)}")
+        if t.device != w_gate.device:
+            raise ValueError(f"expert_forward_fp8: {name} is on {t.device}, the weights on "
+                             f"{w_gate.device}")
 
 
 # The ops are registered with torch.library so that torch.compile(fullgraph=True)
@@ -174,6 +197,71 @@ def _backward(ctx, grad_y):
 _expert_forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+@torch.library.custom_op("mhmoe::expert_forward_fp8", mutates_args=())
+def _expert_forward_fp8_op(x_heads: torch.Tensor, gather_ids: torch.Tensor,
+                           sorted_probs: torch.Tensor, offsets: torch.Tensor,
+                           w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+                           gate_scale: torch.Tensor, up_scale: torch.Tensor,
+                           down_scale: torch.Tensor, deterministic: bool,
+                           backend: str) -> torch.Tensor:
+    if _pick_path(backend, x_heads, w_gate, "expert_forward_fp8",
+                  fp8_kernel_shape_problem) == "triton":
+        from .kernels.expert_forward_fp8 import triton_expert_forward_fp8
+
+        # The kernel reads the weights K-major: no copy for the layer's parameters.
+        return triton_expert_forward_fp8(
+            x_heads, gather_ids, sorted_probs, offsets, w_gate.transpose(1, 2).contiguous(),
+            w_up.transpose(1, 2).contiguous(), w_down.transpose(1, 2).contiguous(),
+            gate_scale.contiguous(), up_scale.contiguous(), down_scale.contiguous(),
+            deterministic=deterministic)
+    # The float64 twin, with the multiply the kernel's tile table picks for this shape;
+    # it adds in a fixed order (deterministic by construction).
+    from .kernels.tuning import fp8_forward_config, interpreting
+
+    config = fp8_forward_config(x_heads.device, gather_ids.numel() / max(1, w_gate.shape[0]),
+                                interpreting())
+    weights = Fp8Weights(w_gate, w_up, w_down, gate_scale, up_scale, down_scale)
+    return fp8_expert_reference(x_heads, gather_ids, sorted_probs, offsets, weights,
+                                act_fp8=config.act_fp8).to(x_heads.dtype)
+
+
+@_expert_forward_fp8_op.register_fake
+def _expert_forward_fp8_fake(x_heads, gather_ids, sorted_probs, offsets, w_gate, w_up, w_down,
+                             gate_scale, up_scale, down_scale, deterministic, backend):
+    return x_heads.new_empty(x_heads.shape)
+
+
+def _fp8_setup_context(ctx, inputs, output):
+    pass
+
+
+def _fp8_backward(ctx, grad_y):
+    # Reached only through the raw op (expert_forward_fp8 refuses inputs that require
+    # grad): fp8 weights have no backward.
+    raise RuntimeError(f"mhmoe::expert_forward_fp8: {INFERENCE_ONLY}")
+
+
+_expert_forward_fp8_op.register_autograd(_fp8_backward, setup_context=_fp8_setup_context)
+
+
+def swiglu7(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU7 of the gate and up accumulators (any matching shapes, float).
+
+    a = min(g, 7) * sigmoid(1.702 * min(g, 7)) * (clamp(u, -7, 7) + 1)
+
+    Evaluated in float32 whatever the input dtype (float64 stays float64), as the
+    published activation is, and returned in the inputs' dtype (docs/contract.md
+    section 4).
+    """
+    if gate.shape != up.shape:
+        raise ValueError(f"swiglu7: gate and up shapes differ: {tuple(gate.shape)} vs "
+                         f"{tuple(up.shape)}")
+    if not (gate.dtype.is_floating_point and up.dtype.is_floating_point):
+        raise ValueError(f"swiglu7: gate and up must be floating point, got {gate.dtype} and "
+                         f"{up.dtype}")
+    return swiglu7_reference(gate, up)
+
+
 def expert_forward(
     x_heads: torch.Tensor,
     gather_ids: torch.Tensor,
@@ -212,3 +300,50 @@ def expert_forward(
     check_expert_inputs(x_heads, gather_ids, sorted_probs, offsets, w_gate, w_up, w_down)
     return _expert_forward_op(x_heads, gather_ids, sorted_probs, offsets, w_gate, w_up, w_down,
                               bool(deterministic), backend)
+
+
+def expert_forward_fp8(
+    x_heads: torch.Tensor,
+    gather_ids: torch.Tensor,
+    sorted_probs: torch.Tensor,
+    offsets: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    gate_scale: torch.Tensor,
+    up_scale: torch.Tensor,
+    down_scale: torch.Tensor,
+    deterministic: bool = False,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """`expert_forward` with fp8 expert weights (docs/contract.md section 10, docs/fp8.md).
+
+    x_heads: [S, H, D]; the layout as `expert_forward`'s;
+    w_gate, w_up: [H*E, D, I] float8_e4m3fn; w_down: [H*E, I, D] float8_e4m3fn
+    (W = W_fp8 * scale); gate_scale, up_scale: [H*E, I] float32; down_scale: [H*E, D]
+    float32. Returns y_heads [S, H, D] in x_heads' dtype.
+
+    The weights are read K-major (`fp8.quantize_weights`' layout, which the layer's
+    parameters have); weights in another layout are copied to it on every call.
+
+    backend: "triton": the fused kernel (kernels/expert_forward_fp8.py), x and the
+    SwiGLU7 output quantized on the fly with dynamic per-row (per-block) scales where
+    its tile table runs the fp8 tensor cores; CUDA, or the interpreter on the CPU.
+    "torch": the kernel's twin `fp8.fp8_expert_reference`, the same quantization in
+    float64 math, cast to x's dtype: slow, for the CPU and tests. "auto": the kernel
+    on CUDA, the twin elsewhere. The kernel needs D a power of two >= 16 and I a
+    multiple of `fp8.ACT_BLOCK`: "triton" raises otherwise, "auto" warns once and
+    runs the twin.
+    deterministic: as `expert_forward`'s (the twin always is).
+
+    Inference only: raises if grad mode is on and x_heads or sorted_probs requires
+    grad (fp8 weights have no backward).
+    """
+    _resolve(backend, x_heads.device, op="expert_forward_fp8")
+    if torch.is_grad_enabled() and (x_heads.requires_grad or sorted_probs.requires_grad):
+        raise RuntimeError(f"expert_forward_fp8: {INFERENCE_ONLY}")
+    check_fp8_expert_inputs(x_heads, gather_ids, sorted_probs, offsets, w_gate, w_up, w_down,
+                            gate_scale, up_scale, down_scale)
+    return _expert_forward_fp8_op(x_heads, gather_ids, sorted_probs, offsets, w_gate, w_up,
+                                  w_down, gate_scale, up_scale, down_scale, bool(deterministic),
+                                  backend)

@@ -1,22 +1,25 @@
-"""Running a head-parallel layer on N processes: the `mhmoe demo --nproc N` job and
-the multi-GPU benchmark share this code.
+"""Running a head-parallel layer on N processes: `mhmoe demo --nproc N`, `torchrun ...
+-m mhmoe demo` and the multi-GPU benchmark share this code.
 
 One process per rank: gloo across CPU processes, NCCL across GPUs. Every rank
 builds the same seeded full layer, keeps its own heads (`shard_state_dict`),
 runs its share of tokens through dispatch -> experts -> undispatch, and checks
 its rows against the one-process layer on the same tokens (routing is per
 token, so the one-process result for a rank's tokens needs no other rank).
+
+Processes are started by torch's own launcher (`launch_local`, what `torchrun
+--standalone` runs); each joins its group with `join_launched_group`.
 """
 
 from __future__ import annotations
 
-import json
+import logging
 import os
-import socket
-import tempfile
+import sys
 import time
-from dataclasses import asdict, dataclass
-from pathlib import Path
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -114,43 +117,84 @@ def measure_rank(config: MultiHeadMoEConfig, total_tokens: int, seed: int, runs:
                          sent, diff, ref)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def gather_points(point: ParallelPoint, group=None) -> list[ParallelPoint]:
+    """Every rank's `ParallelPoint`, on every rank, in rank order."""
+    points: list[ParallelPoint | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(points, point, group=group)
+    return [p for p in points if p is not None]
 
 
-def _worker(rank: int, world: int, port: int, config_json: str, total_tokens: int, seed: int,
-            runs: int, use_cuda: bool, out_dir: str) -> None:
-    # Loopback only: these processes talk to each other on this machine.
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if use_cuda:
-        torch.cuda.set_device(rank)
-        device = torch.device("cuda", rank)
+def join_launched_group(device_type: str) -> torch.device:
+    """Join the process group of a launcher (torchrun, `launch_local`) from its
+    environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK): NCCL with
+    this process on GPU LOCAL_RANK for device_type "cuda", else gloo on the CPU.
+    Returns this rank's device. The caller ends with `dist.destroy_process_group()`.
+    """
+    # torch._dynamo keeps a reference to the default process group if it is first
+    # imported after the group exists (torch.library ops import it on their first
+    # call), so destroy_process_group cannot free the group: gloo's worker threads
+    # then outlive it and release their last work while Python shuts down, which
+    # aborts the process ("terminate called without an active exception") now and
+    # then. Imported first, it holds no such reference.
+    import torch._dynamo
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device_type == "cuda":
+        if local_rank >= torch.cuda.device_count():
+            raise ValueError(f"LOCAL_RANK {local_rank} needs GPU {local_rank}, this machine has "
+                             f"{torch.cuda.device_count()}")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
     else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
         device = torch.device("cpu")
-    dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world,
-                            **({"device_id": device} if use_cuda else {}))
+        if "OMP_NUM_THREADS" not in os.environ:  # the launcher's user did not choose
+            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_world)
+                                  if hasattr(os, "sched_getaffinity") else 1)
+        dist.init_process_group("gloo")
+    return device
+
+
+def launch_local(nproc: int, args: Sequence[str], *, cpu_threads: int | None = None) -> int:
+    """Run `python -u ARGS` as `nproc` processes of one group on this machine, with
+    torch's launcher (`torch.distributed.launcher.api.elastic_launch`), as `torchrun
+    --standalone --nproc-per-node NPROC -m ...` does: a c10d rendezvous on a free local
+    port, RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT set for every
+    process, stdout and stderr those of this process, no restarts. When one process
+    fails the launcher stops the others.
+
+    cpu_threads: OMP_NUM_THREADS for each process, unless the caller's environment
+        sets it.
+    Returns the exit status of the run: 0 if every process exited 0, else that of the
+    process that failed first (a negative number for a signal).
+    """
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc,
+                          run_id=uuid.uuid4().hex, rdzv_backend="c10d",
+                          rdzv_endpoint="localhost:0", max_restarts=0,
+                          logs_specs=DefaultLogsSpecs(log_dir=os.devnull))
+    saved_env = os.environ.get("OMP_NUM_THREADS")
+    if saved_env is None and cpu_threads is not None:
+        os.environ["OMP_NUM_THREADS"] = str(cpu_threads)  # the processes inherit it
+    # The launcher logs every failed process with a traceback of its own; the caller
+    # reports the exit status instead.
+    quiet = [logging.getLogger(name) for name in ("torch.distributed.elastic",
+                                                  "torch.distributed.launcher")]
+    levels = [logger.level for logger in quiet]
+    for logger in quiet:
+        logger.setLevel(logging.CRITICAL)
     try:
-        point = measure_rank(MultiHeadMoEConfig.from_json(config_json), total_tokens, seed, runs,
-                             device)
+        elastic_launch(config, sys.executable)("-u", *args)
+    except ChildFailedError as failed:
+        _, first = failed.get_first_failure()
+        return first.exitcode
     finally:
-        dist.destroy_process_group()
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(asdict(point)))
-
-
-def spawn_parallel(config: MultiHeadMoEConfig, nproc: int, total_tokens: int, *, seed: int = 0,
-                   runs: int = 3, use_cuda: bool = False) -> list[ParallelPoint]:
-    """Start `nproc` processes (NCCL on GPUs 0..nproc-1, or gloo on the CPU) and
-    return every rank's `ParallelPoint`."""
-    import torch.multiprocessing as mp
-
-    if use_cuda and torch.cuda.device_count() < nproc:
-        raise ValueError(f"--nproc {nproc} needs {nproc} GPUs, this machine has "
-                         f"{torch.cuda.device_count()}")
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_worker, args=(nproc, _free_port(), config.to_json(), total_tokens, seed, runs,
-                                use_cuda, out_dir), nprocs=nproc, join=True)
-        return [ParallelPoint(**json.loads(Path(out_dir, f"rank{r}.json").read_text()))
-                for r in range(nproc)]
+        for logger, level in zip(quiet, levels, strict=True):
+            logger.setLevel(level)
+        if saved_env is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+    return 0

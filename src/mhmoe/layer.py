@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import os
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -10,9 +12,10 @@ from torch import nn
 
 from .backends import BACKENDS
 from .config import BIAS_SOURCES, MultiHeadMoEConfig
-from .experts import expert_forward
+from .experts import expert_forward, expert_forward_fp8
+from .fp8 import FP8, INFERENCE_ONLY, SCALE_NAMES, quantize_into, row_chunks
 from .parallel import HeadPartition, dispatch, gather_token_counts, undispatch
-from .routing import RouteLayout, route_tokens, sort_routes
+from .routing import RouteLayout, Routes, TokenRoutes, route_tokens, sort_routes
 
 BIAS_SOURCE_ENV = "MAGI2_ROUTER_BIAS_SOURCE"
 DETERMINISTIC_ENV = "MAGI2_DETERMINISTIC"
@@ -41,6 +44,42 @@ def deterministic_from_env(default: bool) -> bool:
     raise ValueError(f"{DETERMINISTIC_ENV}={value!r}: expected 1 or 0")
 
 
+# reset_parameters draws a weight in chunks of whole experts of at most this many
+# elements: a MAGI-2 weight (1e9 values) is never held whole in fp32.
+INIT_CHUNK_ELEMENTS = 1 << 26
+
+
+def gaussian_rows(shape: torch.Size, generator: torch.Generator | None,
+                  device: torch.device) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """fp32 N(0, 1) values of a tensor of `shape`, drawn in order as (begin, end, rows
+    [begin, end)) chunks of at most INIT_CHUNK_ELEMENTS elements (a generator, lazily).
+
+    Every chunk but the last holds a multiple of 16 values: the CPU generator, which
+    consumes its stream 16 values at a time, then draws the same values as one
+    `torch.randn(shape)`. A CUDA generator draws other values than one call would for
+    a tensor of more than one chunk (only MAGI-2-sized weights are).
+    """
+    rows, row = shape[0], math.prod(shape[1:])
+    if rows * row <= INIT_CHUNK_ELEMENTS:
+        bounds = [(0, rows)]
+    else:
+        multiple = 16 // math.gcd(row, 16)
+        step = max(multiple, INIT_CHUNK_ELEMENTS // row // multiple * multiple)
+        bounds = row_chunks(rows, row, step * row)
+        if len(bounds) > 1 and (bounds[-1][1] - bounds[-1][0]) * row < 16:
+            bounds[-2:] = [(bounds[-2][0], rows)]
+    device = generator.device if generator is not None else device
+    return ((begin, end, torch.randn((end - begin, *shape[1:]), generator=generator,
+                                     dtype=torch.float32, device=device))
+            for begin, end in bounds)
+
+
+def _router_dtype(params_dtype: torch.dtype) -> torch.dtype:
+    """The router's dtype for experts of `params_dtype`: float32 (docs/contract.md
+    section 2), or float64 for a float64 layer (gradient checks)."""
+    return torch.float64 if params_dtype == torch.float64 else torch.float32
+
+
 class RouterBiases(nn.Module):
     """The auxiliary-loss-free selection biases; checkpoint keys `router.*`."""
 
@@ -56,7 +95,7 @@ class RouterBiases(nn.Module):
 
 
 class MultiHeadMoE(nn.Module):
-    """A multi-head mixture-of-experts layer (SPEC section 5).
+    """A multi-head mixture-of-experts layer (docs/contract.md section 5).
 
     x: [..., hidden_size] -> y: same shape and dtype.
 
@@ -71,6 +110,23 @@ class MultiHeadMoE(nn.Module):
       W_down       [local_flat, I, D] params_dtype
       router.expert_bias, router.expert_bias_ema [local_flat] float32 (likewise), frozen
 
+    dtype: the expert weights' dtype (W_gate, W_up, W_down). None takes
+    `config.params_dtype`; another dtype overrides it, and `self.config` is then the
+    config with that `params_dtype`, so the config always says what the weights are.
+    The router (gate and both biases) stays float32 whatever the experts are, as in
+    the published module (float64 for a float64 layer, for gradient checks). Casts
+    (`.half()`, `.to(torch.float16)`, `.double()`, ...) follow the same rule: they
+    change the expert weights and `config.params_dtype`, and leave the router in
+    float32.
+
+    fp8 experts (params_dtype `torch.float8_e4m3fn`, mhmoe.fp8; inference only):
+    W_gate, W_up, W_down are e4m3 (stored K-major, as the fp8 kernel reads them),
+    with fp32 scales beside them, `W = W_fp8 * scale`:
+      W_gate_scale, W_up_scale [local_flat, I], W_down_scale [local_flat, D] float32
+    No parameter is trainable, forward refuses to record a graph (an input that
+    requires grad under grad mode), and casts leave every dtype as it is (they move
+    the layer only). `mhmoe.quantize(layer, "fp8")` makes one from a bf16 layer.
+
     backend: "auto" | "torch" | "triton" for every op; fused_router: `fused` of
     `routing.route_tokens` (None: router logits on tensor cores by the Triton logits
     kernel where it applies, i.e. the triton path with bf16 input; True: required;
@@ -83,6 +139,7 @@ class MultiHeadMoE(nn.Module):
         group: dist.ProcessGroup | None = None,
         *,
         device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
         backend: str = "auto",
         partition: HeadPartition | None = None,
         input_mode: str = "sequence",
@@ -92,6 +149,12 @@ class MultiHeadMoE(nn.Module):
         if not isinstance(config, MultiHeadMoEConfig):
             raise TypeError(f"MultiHeadMoE: config must be a MultiHeadMoEConfig, got "
                             f"{type(config).__name__}")
+        if dtype is not None:
+            if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+                raise TypeError(f"MultiHeadMoE: dtype must be a floating torch.dtype, got "
+                                f"{dtype!r}")
+            if dtype != config.params_dtype:
+                config = config.replace(params_dtype=dtype)
         if backend not in BACKENDS:
             raise ValueError(f"MultiHeadMoE: backend must be one of {BACKENDS}, got {backend!r}")
         if input_mode not in INPUT_MODES:
@@ -120,13 +183,14 @@ class MultiHeadMoE(nn.Module):
         rows = self.partition.local_heads * config.num_experts
         D, I = config.head_dim, config.expert_intermediate_size
         dtype = config.params_dtype
-        # The router runs in float32 (SPEC section 2); a float64 layer (used for
-        # gradient checks) keeps its router in float64 too.
-        router_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        router_dtype = _router_dtype(dtype)
         self.gate = nn.Parameter(torch.empty(rows, D, dtype=router_dtype, device=device))
-        self.W_gate = nn.Parameter(torch.empty(rows, D, I, dtype=dtype, device=device))
-        self.W_up = nn.Parameter(torch.empty(rows, D, I, dtype=dtype, device=device))
-        self.W_down = nn.Parameter(torch.empty(rows, I, D, dtype=dtype, device=device))
+        if config.is_fp8:
+            self._fp8_experts(rows, D, I, device)
+        else:
+            self.W_gate = nn.Parameter(torch.empty(rows, D, I, dtype=dtype, device=device))
+            self.W_up = nn.Parameter(torch.empty(rows, D, I, dtype=dtype, device=device))
+            self.W_down = nn.Parameter(torch.empty(rows, I, D, dtype=dtype, device=device))
         self.router = RouterBiases(rows, device=device, dtype=router_dtype)
         if self.gate.device.type != "meta":
             self.reset_parameters()
@@ -135,19 +199,41 @@ class MultiHeadMoE(nn.Module):
     def local_heads(self) -> int:
         return self.partition.local_heads
 
+    def _fp8_experts(self, rows: int, D: int, I: int, device) -> None:
+        """The fp8 expert parameters (docs/fp8.md), none trainable: e4m3 weights stored
+        K-major (W_gate and W_up as [rows, I, D] in memory, W_down as [rows, D, I]; the
+        parameters are transposed views, as `fp8.quantize_weights` lays them out) and
+        their fp32 per-output-channel scales."""
+        for name, (k, n) in (("W_gate", (D, I)), ("W_up", (D, I)), ("W_down", (I, D))):
+            weight = torch.empty(rows, n, k, dtype=FP8, device=device).transpose(1, 2)
+            setattr(self, name, nn.Parameter(weight, requires_grad=False))
+            scale = torch.empty(rows, n, dtype=torch.float32, device=device)
+            setattr(self, SCALE_NAMES[name], nn.Parameter(scale, requires_grad=False))
+        self.gate.requires_grad_(False)
+
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
-        """Normal weights scaled by 1/sqrt(fan_in); padding heads stay zero."""
+        """Normal weights scaled by 1/sqrt(fan_in); padding heads stay zero.
+
+        Drawn a chunk of experts at a time (`gaussian_rows`). fp8 experts draw the same
+        values, round them to bf16 and quantize them chunk by chunk on the layer's
+        device: an fp8 layer of a seed holds `mhmoe.quantize` of the bf16 layer of that
+        seed, and never more than a chunk of it in a wider dtype.
+        """
         cfg = self.config
         D, I = cfg.head_dim, cfg.expert_intermediate_size
         real_rows = self.partition.real_heads * cfg.num_experts
         with torch.no_grad():
-            for param, fan_in in ((self.gate, D), (self.W_gate, D), (self.W_up, D),
-                                  (self.W_down, I)):
-                values = torch.randn(param.shape, generator=generator, dtype=torch.float32,
-                                     device=generator.device if generator is not None
-                                     else param.device)
-                values[real_rows:] = 0
-                param.copy_(values.mul_(fan_in ** -0.5))
+            for name, fan_in in (("gate", D), ("W_gate", D), ("W_up", D), ("W_down", I)):
+                param = getattr(self, name)
+                for begin, end, values in gaussian_rows(param.shape, generator, param.device):
+                    values[max(0, real_rows - begin):] = 0
+                    values.mul_(fan_in ** -0.5)
+                    if cfg.is_fp8 and name in SCALE_NAMES:
+                        scale = getattr(self, SCALE_NAMES[name])
+                        quantize_into(values.to(torch.bfloat16), param[begin:end],
+                                      scale[begin:end])
+                    else:
+                        param[begin:end].copy_(values)
             self.router.expert_bias.zero_()
             self.router.expert_bias_ema.zero_()
 
@@ -165,38 +251,51 @@ class MultiHeadMoE(nn.Module):
             return self.router.expert_bias_ema
         return self.router.expert_bias
 
-    def route_heads(self, x_heads: torch.Tensor, *,
-                    block_counts: bool = False) -> tuple[torch.Tensor | None, ...]:
-        """Routing of local heads. x_heads: [S, local_heads, D] -> probs, indices [Hl, S, K].
+    def route_heads(self, x_heads: torch.Tensor) -> Routes:
+        """Routing of local heads. x_heads: [S, local_heads, D] -> Routes(probs, indices),
+        each [Hl, S, K].
 
         Logits come from the Triton logits kernel (then routed by the route kernel,
         or in the same kernel, as its config says) where `routing.route_tokens`
         allows it (the triton path with bf16 x; see `fused_router`), else from an
-        fp32 GEMM followed by `route`. block_counts: a third value, the layout's
-        per-block expert counts for `sort_routes` (None on the PyTorch path).
+        fp32 GEMM followed by `route`.
         """
+        probs, indices, _ = self._route_tokens(x_heads, block_counts=False)
+        return Routes(probs, indices)
+
+    def _route_tokens(self, x_heads: torch.Tensor, block_counts: bool) -> TokenRoutes:
+        """`routing.route_tokens` on this rank's heads with the layer's router."""
         cfg = self.config
         Hl = self.partition.local_heads
         gate = self.gate.view(Hl, cfg.num_experts, cfg.head_dim)
-        return route_tokens(x_heads, gate, cfg.top_k, cfg.score_func,
-                            expert_bias=self.selection_bias().view(Hl, cfg.num_experts),
-                            route_norm=cfg.route_norm, norm_eps=cfg.norm_eps,
-                            route_scale=cfg.route_scale, num_groups=cfg.num_groups,
-                            topk_groups=cfg.topk_groups, backend=self.backend,
-                            fused=self.fused_router, block_counts=block_counts)
+        return route_tokens(x_heads, gate, cfg.router_options,
+                            self.selection_bias().view(Hl, cfg.num_experts),
+                            backend=self.backend, fused=self.fused_router,
+                            block_counts=block_counts)
 
     def route_layout(self, x_heads: torch.Tensor) -> RouteLayout:
         """The routes of this rank's heads grouped by expert, as `forward_heads` uses them:
         `route_heads`, then `sort_routes`. On the Triton path the route kernels count
         each expert's routes per block of tokens as they pick, and the layout takes
         those counts instead of running its own count step (the same layout)."""
-        probs, indices, counts = self.route_heads(x_heads, block_counts=True)
-        return sort_routes(probs, indices, self.config.num_experts, backend=self.backend,
-                           block_counts=counts)
+        routes = self._route_tokens(x_heads, block_counts=True)
+        return sort_routes(routes.probs, routes.indices, self.config.num_experts,
+                           backend=self.backend, block_counts=routes.block_counts)
+
+    def _check_inference(self, x: torch.Tensor) -> None:
+        """fp8 experts have no backward: refuse to record a graph through them."""
+        if self.config.is_fp8 and torch.is_grad_enabled() and (
+                x.requires_grad or any(p.requires_grad for p in self.parameters())):
+            raise RuntimeError(f"MultiHeadMoE: {INFERENCE_ONLY}")
 
     def forward_heads(self, x_heads: torch.Tensor) -> torch.Tensor:
         """The layer on this rank's heads. x_heads: [S, local_heads, D] -> same."""
+        self._check_inference(x_heads)
         layout = self.route_layout(x_heads)
+        if self.config.is_fp8:  # the router saw the unquantized x
+            return expert_forward_fp8(x_heads, *layout, self.W_gate, self.W_up, self.W_down,
+                                      self.W_gate_scale, self.W_up_scale, self.W_down_scale,
+                                      deterministic=self.deterministic, backend=self.backend)
         return expert_forward(x_heads, *layout, self.W_gate, self.W_up, self.W_down,
                               deterministic=self.deterministic, backend=self.backend)
 
@@ -216,6 +315,7 @@ class MultiHeadMoE(nn.Module):
             raise ValueError("MultiHeadMoE: input must be [..., features], got a scalar")
         if not x.dtype.is_floating_point:
             raise ValueError(f"MultiHeadMoE: input must be floating point, got {x.dtype}")
+        self._check_inference(x)
         if p.world_size > 1 and self.group is None:
             raise ValueError(f"MultiHeadMoE: this module holds rank {p.rank} of {p.world_size} "
                              f"(built from a partition, without a process group) and cannot "
@@ -252,9 +352,45 @@ class MultiHeadMoE(nn.Module):
         y_local = self.forward_heads(local)
         return undispatch(y_local, p, token_counts, self.group).reshape(*lead, cfg.hidden_size)
 
+    def _apply(self, fn, recurse=True):
+        # Every nn.Module cast (.half(), .to(dtype), .double(), .cuda(), ...) reaches the
+        # parameters through here. The router keeps `_router_dtype` of what the experts
+        # become (what fn makes of an empty tensor like W_gate tells), and the config
+        # follows the experts, so that the repr, saved checkpoints and loads stay true.
+        if self.config.is_fp8:
+            # fp8 experts keep every dtype (e4m3 weights, fp32 scales and router): a cast
+            # would no longer be a quantized layer. It moves the layer only; the weights
+            # keep their K-major strides (`.to` preserves them).
+            def keep_dtype(t):
+                moved = fn(torch.empty(0, dtype=t.dtype, device=t.device))
+                return t.to(device=moved.device) if moved.dtype != t.dtype else fn(t)
+
+            return super()._apply(keep_dtype, recurse)
+        expert = self.W_gate
+        after = fn(torch.empty(0, dtype=expert.dtype, device=expert.device))
+        keep = _router_dtype(after.dtype) if after.is_floating_point() else None
+        router = (self.gate, self.router.expert_bias, self.router.expert_bias_ema)
+        guarded = {id(t) for param in router for t in (param, param.grad) if t is not None}
+
+        def apply(t):
+            if id(t) in guarded and keep is not None:
+                moved = fn(torch.empty(0, dtype=t.dtype, device=t.device))
+                if moved.dtype != t.dtype:
+                    # A cast: the router goes where fn sends it, in its own dtype, and in
+                    # one step (through fn it would be rounded to the experts' dtype first).
+                    return t.to(device=moved.device, dtype=keep)
+            return fn(t)
+
+        super()._apply(apply, recurse)
+        if self.W_gate.dtype != self.config.params_dtype:
+            self.config = self.config.replace(params_dtype=self.W_gate.dtype)
+        return self
+
     def extra_repr(self) -> str:
         cfg = self.config
         p = self.partition
+        # The dtypes of the parameters themselves, not of the config.
         return (f"hidden={cfg.hidden_size}, heads={cfg.num_heads} (local {p.local_heads} from "
                 f"{p.start}), experts={cfg.num_experts}, top_k={cfg.top_k}, "
-                f"intermediate={cfg.expert_intermediate_size}, dtype={cfg.params_dtype}")
+                f"intermediate={cfg.expert_intermediate_size}, dtype={self.W_gate.dtype}, "
+                f"router_dtype={self.gate.dtype}")

@@ -1,4 +1,4 @@
-"""Head parallelism: which heads a rank of a process group owns (SPEC section 6).
+"""Head parallelism: which heads a rank of a process group owns (docs/contract.md section 6).
 
 The head count is padded up to a multiple of the world size with zero heads;
 rank r owns the contiguous run of `local_heads` heads starting at
@@ -130,7 +130,8 @@ def gather_token_counts(num_tokens: int, device: torch.device,
 
 def shard_state_dict(state: dict[str, torch.Tensor], partition: HeadPartition,
                      num_experts: int) -> dict[str, torch.Tensor]:
-    """One rank's rows of a full (all-heads) layer state dict, zero-padded (SPEC section 6).
+    """One rank's rows of a full (all-heads) layer state dict, zero-padded
+    (docs/contract.md section 6).
 
     Every per-expert tensor has the flat expert id as dim 0; the rank takes
     rows `partition.rows(num_experts)`; rows past the end are zeros.

@@ -1,7 +1,7 @@
 """Pure-PyTorch twins of every op: the portable path and the oracle.
 
 These functions run on any device and in any floating dtype (float64
-included). They follow SPEC sections 2 to 4 operation by operation, so the
+included). They follow docs/contract.md sections 2 to 4 operation by operation, so the
 Triton kernels are checked against them and users without a GPU get the same
 numbers. Argument checking lives in the public wrappers (`routing.py`,
 `experts.py`); the functions here assume valid input.
@@ -129,7 +129,7 @@ def _limit_to_groups(select: torch.Tensor, num_groups: int, topk_groups: int) ->
 def sort_routes_reference(
     probs: torch.Tensor, indices: torch.Tensor, num_experts: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """CSR layout of the routes by flat expert id `h * E + e` (SPEC section 3).
+    """CSR layout of the routes by flat expert id `h * E + e` (docs/contract.md section 3).
 
     probs, indices: [H, S, K]
     returns gather_ids [H*S*K] int32 (token of each route), sorted_probs
@@ -153,10 +153,18 @@ def sort_routes_reference(
 
 
 def swiglu7_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU clamped at 7: min(g, 7) * sigmoid(1.702 min(g, 7)) * (clamp(u, -7, 7) + 1)."""
-    g = torch.clamp(gate, max=7.0)
-    u = torch.clamp(up, min=-7.0, max=7.0)
-    return g * torch.sigmoid(1.702 * g) * (u + 1.0)
+    """SwiGLU clamped at 7: min(g, 7) * sigmoid(1.702 min(g, 7)) * (clamp(u, -7, 7) + 1).
+
+    Evaluated in float32 (float64 if either input is float64) whatever the input
+    dtype, as the published activation is, and returned in the inputs' (promoted)
+    dtype: bf16 arithmetic would round every intermediate (docs/contract.md
+    section 4). The expert references call it on fp32 or fp64 accumulators.
+    """
+    dtype = torch.promote_types(gate.dtype, up.dtype)
+    acc = compute_dtype(gate, up)
+    g = torch.clamp(gate.to(acc), max=7.0)
+    u = torch.clamp(up.to(acc), min=-7.0, max=7.0)
+    return (g * torch.sigmoid(1.702 * g) * (u + 1.0)).to(dtype)
 
 
 @exact_precision
@@ -214,7 +222,7 @@ def moe_reference_float64(
     w_up: torch.Tensor,
     w_down: torch.Tensor,
 ) -> torch.Tensor:
-    """The float64 evaluation of SPEC section 4 from routes, for checking a slice.
+    """The float64 evaluation of docs/contract.md section 4 from routes, for checking a slice.
 
     x_heads: [S, H, D]; probs, indices: [H, S, K]; weights as in expert_forward.
     returns [S, H, D] float64 on the CPU. No rounding of the activation: this is

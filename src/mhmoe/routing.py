@@ -1,21 +1,26 @@
-"""Routing and route layout: `route()` and `sort_routes()` (SPEC sections 2 and 3).
+"""Routing and route layout: `route()`, `route_tokens()` and `sort_routes()`
+(docs/contract.md sections 2 and 3).
 
 Routing produces metadata that the expert kernels only consume:
 
-    probs, indices = route(logits, top_k)            # [H, S, K] each
-    probs, indices = route_tokens(x_heads, gate, top_k)   # the logits too (fused on GPU)
-    layout = sort_routes(probs, indices, E)          # a RouteLayout
+    probs, indices = route(logits, top_k)                     # [H, S, K] each
+    routes = route_tokens(x_heads, gate, options)             # the logits too (fused on GPU)
+    layout = sort_routes(routes.probs, routes.indices, E)     # a RouteLayout
 
 The layer hands the route kernels' per-block expert counts to the layout, which
 then skips its count step (Triton path; the counts stay on the device):
 
-    probs, indices, counts = route_tokens(x_heads, gate, top_k, block_counts=True)
-    layout = sort_routes(probs, indices, E, block_counts=counts)
+    routes = route_tokens(x_heads, gate, options, block_counts=True)
+    layout = sort_routes(routes.probs, routes.indices, E, block_counts=routes.block_counts)
 
 Worked example, H=1, S=3, E=2, K=1, indices [[[1], [0], [1]]]:
     gather_ids   = [1, 0, 2]      token of each route, expert 0's first
     sorted_probs = [p1, p0, p2]
     offsets      = [0, 1, 3]      expert f owns routes offsets[f]:offsets[f+1]
+
+The Triton paths run behind torch.library ops (opaque to torch.compile, with fake
+implementations and autograd attached); the routing options cross into them as the
+flat scalars of `RouterOptions.op_args()`.
 """
 
 from __future__ import annotations
@@ -25,13 +30,39 @@ from typing import NamedTuple
 import torch
 
 from .backends import resolve_backend
-from .config import SCORE_FUNCS, check_groups
+from .config import RouterOptions
 from .reference import (
     exact_precision,
     route_probs_backward,
     route_reference,
     sort_routes_reference,
 )
+
+
+class Routes(NamedTuple):
+    """The routes of every (head, token): what `route` returns.
+
+    probs:   [H, S, K] float32 (float64 for float64 logits), in selection order.
+    indices: [H, S, K] int64 in [0, E), descending biased score, ties to the lower id.
+    """
+
+    probs: torch.Tensor
+    indices: torch.Tensor
+
+
+class TokenRoutes(NamedTuple):
+    """What `route_tokens` returns, whatever it was asked for.
+
+    probs, indices: as `Routes`.
+    block_counts:   [H, cdiv(S, T), E] int32, the routes of each expert per block of T
+                    tokens of a head (T = `kernels.layout.layout_block_t(K)`), for
+                    `sort_routes(..., block_counts=)`; None unless asked for, and on the
+                    PyTorch path (where the layout counts itself).
+    """
+
+    probs: torch.Tensor
+    indices: torch.Tensor
+    block_counts: torch.Tensor | None
 
 
 class RouteLayout(NamedTuple):
@@ -60,14 +91,15 @@ def route(
     topk_groups: int = 1,
     *,
     backend: str = "auto",
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> Routes:
     """Pick the top_k experts of every (head, token) and their probabilities.
 
     logits: [H, S, E] float32 (another float type is upcast to float32;
             float64 stays float64 for gradient checks)
     expert_bias: [H, E] or [H*E] float, or None; shifts selection only
-    returns probs [H, S, K] float32, indices [H, S, K] int64 in descending
-            order of the biased score, ties to the lower expert id.
+    returns Routes(probs [H, S, K] float32, indices [H, S, K] int64), in
+            descending order of the biased score, ties to the lower expert id.
+    The other arguments are the fields of `RouterOptions`.
 
     A NaN logit makes its expert unselectable (its selection score counts as
     -inf); if fewer than K experts of a row are finite, NaN experts fill the
@@ -78,62 +110,46 @@ def route(
     elsewhere), "torch" or "triton". Both give the same indices (ties
     included) and probabilities, and both are differentiable in logits.
     """
+    options = RouterOptions(top_k, score_func, route_norm, norm_eps, route_scale, num_groups,
+                            topk_groups)
     if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
         raise ValueError(f"route: logits must be a [H, S, E] tensor, got shape "
                          f"{tuple(getattr(logits, 'shape', ()))}")
     if not logits.dtype.is_floating_point:
         raise ValueError(f"route: logits must be floating point, got {logits.dtype}")
     H, _, E = logits.shape
-    _check_route_args("route", H, E, logits.device, top_k, score_func, expert_bias, norm_eps,
-                      num_groups, topk_groups)
-    probs, indices, _ = _route_checked(logits, top_k, score_func, expert_bias, route_norm,
-                                       norm_eps, route_scale, num_groups, topk_groups, backend,
-                                       False)
-    return probs, indices
-
-
-def _route_checked(logits, top_k, score_func, expert_bias, route_norm, norm_eps, route_scale,
-                   num_groups, topk_groups, backend: str, block_counts: bool):
-    """`route` after its checks: (probs, indices, counts), counts the layout's block
-    counts (see `route_tokens`) when block_counts and the Triton kernel ran, else None."""
-    if _path(backend, logits, "route", "logits") == "triton":
-        probs, indices, counts = _route_triton_op(
-            logits, top_k, score_func, expert_bias, route_norm, float(norm_eps),
-            float(route_scale), num_groups, topk_groups, block_counts)
-        return probs, indices, counts if block_counts else None
-    probs, indices = route_reference(logits, top_k, score_func, expert_bias, route_norm,
-                                     norm_eps, route_scale, num_groups, topk_groups)
-    return probs, indices, None
+    options.check(E, "route")
+    _check_bias("route", expert_bias, H, E, logits.device)
+    probs, indices, _ = _route_logits(logits, options, expert_bias, backend, block_counts=False)
+    return Routes(probs, indices)
 
 
 def route_tokens(
     x_heads: torch.Tensor,
     gate: torch.Tensor,
-    top_k: int,
-    score_func: str = "sigmoid",
+    options: RouterOptions,
     expert_bias: torch.Tensor | None = None,
-    route_norm: bool = True,
-    norm_eps: float = 1e-12,
-    route_scale: float = 1.0,
-    num_groups: int = 1,
-    topk_groups: int = 1,
     *,
     backend: str = "auto",
     fused: bool | None = None,
     block_counts: bool = False,
-) -> tuple[torch.Tensor | None, ...]:
-    """Router logits of every (token, head), then `route` (SPEC section 2, steps 1-6).
+) -> TokenRoutes:
+    """Router logits of every (token, head), then `route` (docs/contract.md section 2,
+    steps 1-6).
 
     x_heads: [S, H, D] float; gate: [H, E, D], the router weight (float32;
     float64 in a float64 layer); logits[h, s, e] = x_heads[s, h] . gate[h, e]
     computed in gate's precision (x upcast), then routed as `route` does.
-    returns probs [H, S, K] float32 (float64 for a float64 gate), indices
-            [H, S, K] int64; differentiable in x_heads and gate through probs.
+    options: the routing options (top_k, score function, normalisation, scale, groups).
+    expert_bias: [H, E] or [H*E] float, or None; shifts selection only.
+    returns TokenRoutes(probs [H, S, K] float32 (float64 for a float64 gate), indices
+            [H, S, K] int64, block_counts); differentiable in x_heads and gate through
+            probs.
 
     fused: None (default) computes the logits with the tensor-core kernel of
-    `kernels.routing.triton_logits_route` (fused with the routing, or followed by the
-    route kernel: its config's `split`, the sm_90 default) wherever it applies: the triton
-    path (CUDA, or the interpreter with backend="triton"), x_heads bfloat16, gate
+    `kernels.router_logits.triton_logits_route` (fused with the routing, or followed by
+    a route kernel: its config's `split`, the sm_90 default) wherever it applies: the
+    triton path (CUDA, or the interpreter with backend="triton"), x_heads bfloat16, gate
     float32, E a power of two in [16, 256], D a multiple of 16; anything else
     takes the unfused path, an fp32 GEMM (cuBLAS on CUDA) then `route`, which
     is also what the fused kernel is checked against. True: the fused kernel or
@@ -148,18 +164,18 @@ def route_tokens(
     [H, S, E] beside probs and indices when the backward needs them (grad mode
     on and x_heads or gate requiring grad; the backward is the unfused path's),
     or when its tile configuration routes them from memory (split, or the fused
-    kernel's read-back gather); no host synchronisation either way. Speed on an
-    H200 at MAGI-2 dims (benchmarks/NOTES.md, routing v10): 0.48 ms against 1.60
-    for cuBLAS + route at S=32768; at 1024 tokens launches bound both (a CUDA
-    graph replays the whole route + layout in 0.03 ms). One path at every S: the
-    same logits for any batch size.
+    kernel's read-back gather); no host synchronisation either way. One path at
+    every S: the same logits for any batch size. Its speed against cuBLAS + route:
+    docs/routing.md.
 
-    block_counts: return a third value for `sort_routes(..., block_counts=)`: the
-    routes of each expert per block of tokens ([H, cdiv(S, T), E] int32, T =
-    `kernels.routing.layout_block_t(top_k)`), counted by the Triton route kernels
-    as they pick (integer atomic adds: deterministic), so that the layout skips
-    its count step; None on the PyTorch path, where the layout counts itself.
+    block_counts: also return the layout's per-block expert counts (see `TokenRoutes`),
+    counted by the Triton route kernels as they pick (integer atomic adds:
+    deterministic), so that `sort_routes` skips its count step; None on the PyTorch
+    path, where the layout counts itself.
     """
+    if not isinstance(options, RouterOptions):
+        raise ValueError(f"route_tokens: options must be a RouterOptions, got "
+                         f"{type(options).__name__}")
     if not isinstance(x_heads, torch.Tensor) or x_heads.dim() != 3 or \
             not isinstance(gate, torch.Tensor) or gate.dim() != 3:
         raise ValueError(f"route_tokens: x_heads must be [S, H, D] and gate [H, E, D] tensors, "
@@ -175,8 +191,8 @@ def route_tokens(
     if gate.device != x_heads.device:
         raise ValueError(f"route_tokens: gate is on {gate.device}, x_heads on {x_heads.device}")
     E = gate.shape[1]
-    _check_route_args("route_tokens", H, E, x_heads.device, top_k, score_func, expert_bias,
-                      norm_eps, num_groups, topk_groups)
+    options.check(E, "route_tokens")
+    _check_bias("route_tokens", expert_bias, H, E, x_heads.device)
     if fused not in (None, True, False):
         raise ValueError(f"route_tokens: fused must be None, True or False, got {fused!r}")
     if fused is not False:
@@ -185,16 +201,42 @@ def route_tokens(
             save_logits = torch.is_grad_enabled() and (x_heads.requires_grad or
                                                        gate.requires_grad)
             probs, indices, _, counts = _logits_route_triton_op(
-                x_heads, gate, top_k, score_func, expert_bias, route_norm, float(norm_eps),
-                float(route_scale), num_groups, topk_groups, save_logits, block_counts)
-            return (probs, indices, counts) if block_counts else (probs, indices)
+                x_heads, gate, expert_bias, *options.op_args(), save_logits, block_counts)
+            return TokenRoutes(probs, indices, counts if block_counts else None)
         if fused:
             raise ValueError(f"route_tokens: fused=True, but the fused kernel cannot run here: "
                              f"{reason}")
     logits = RouterLogits.apply(x_heads, gate)
-    out = _route_checked(logits, top_k, score_func, expert_bias, route_norm, norm_eps,
-                         route_scale, num_groups, topk_groups, backend, block_counts)
-    return out if block_counts else out[:2]
+    return _route_logits(logits, options, expert_bias, backend, block_counts)
+
+
+def _route_logits(logits: torch.Tensor, options: RouterOptions,
+                  expert_bias: torch.Tensor | None, backend: str,
+                  block_counts: bool) -> TokenRoutes:
+    """`route` after its checks. block_counts: the layout's block counts (see
+    `route_tokens`) where the Triton kernel runs."""
+    if _path(backend, logits, "route", "logits") == "triton":
+        probs, indices, counts = _route_triton_op(logits, expert_bias, *options.op_args(),
+                                                  block_counts)
+        return TokenRoutes(probs, indices, counts if block_counts else None)
+    probs, indices = route_reference(
+        logits, options.top_k, options.score_func, expert_bias, options.route_norm,
+        options.norm_eps, options.route_scale, options.num_groups, options.topk_groups)
+    return TokenRoutes(probs, indices, None)
+
+
+def _check_bias(op: str, expert_bias: torch.Tensor | None, H: int, E: int,
+                device: torch.device) -> None:
+    """The bias check `route` and `route_tokens` share; ValueError naming `op`."""
+    if expert_bias is None:
+        return
+    if expert_bias.numel() != H * E or expert_bias.dim() not in (1, 2) or (
+            expert_bias.dim() == 2 and tuple(expert_bias.shape) != (H, E)):
+        raise ValueError(f"{op}: expert_bias must have shape [{H}, {E}] or [{H * E}], got "
+                         f"{tuple(expert_bias.shape)}")
+    if expert_bias.device != device:
+        raise ValueError(f"{op}: expert_bias is on {expert_bias.device}, the inputs on "
+                         f"{device}")
 
 
 def _fused_unsupported(backend: str, x_heads: torch.Tensor, gate: torch.Tensor) -> str | None:
@@ -202,29 +244,9 @@ def _fused_unsupported(backend: str, x_heads: torch.Tensor, gate: torch.Tensor) 
     path = resolve_backend(backend, x_heads.device, op="route_tokens")
     if path != "triton":
         return f"backend {backend!r} takes the PyTorch path on {x_heads.device}"
-    from .kernels.routing import fused_unsupported
+    from .kernels.router_logits import fused_unsupported
 
     return fused_unsupported(x_heads, gate)
-
-
-def _check_route_args(op: str, H: int, E: int, device: torch.device, top_k, score_func,
-                      expert_bias, norm_eps, num_groups, topk_groups) -> None:
-    """The checks `route` and `route_tokens` share; ValueError naming `op`."""
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= E:
-        raise ValueError(f"{op}: top_k must be an int in [1, E={E}], got {top_k!r}")
-    if score_func not in SCORE_FUNCS:
-        raise ValueError(f"{op}: score_func must be one of {SCORE_FUNCS}, got {score_func!r}")
-    if expert_bias is not None:
-        if expert_bias.numel() != H * E or expert_bias.dim() not in (1, 2) or (
-                expert_bias.dim() == 2 and tuple(expert_bias.shape) != (H, E)):
-            raise ValueError(f"{op}: expert_bias must have shape [{H}, {E}] or [{H * E}], got "
-                             f"{tuple(expert_bias.shape)}")
-        if expert_bias.device != device:
-            raise ValueError(f"{op}: expert_bias is on {expert_bias.device}, the inputs on "
-                             f"{device}")
-    if not norm_eps > 0:
-        raise ValueError(f"{op}: norm_eps must be > 0, got {norm_eps!r}")
-    check_groups(E, num_groups, topk_groups, prefix=f"{op}: ")
 
 
 class RouterLogits(torch.autograd.Function):
@@ -245,7 +267,8 @@ class RouterLogits(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x_heads, gate = ctx.saved_tensors
-        return _router_logits_backward(grad, x_heads, gate, *ctx.needs_input_grad[:2])
+        need_x, need_gate = ctx.needs_input_grad
+        return _router_logits_backward(grad, x_heads, gate, need_x, need_gate)
 
 
 @exact_precision
@@ -319,42 +342,70 @@ def _path(backend: str, values: torch.Tensor, op: str, name: str) -> str:
     return path
 
 
-# The Triton paths as torch.library ops: opaque nodes with fake (shape-only)
-# implementations for torch.compile, and autograd attached to the op.
+# ------------------------------------------------------ the Triton paths as torch.library ops
+#
+# Opaque nodes with fake (shape-only) implementations for torch.compile, and autograd
+# attached to the op. Their schemas take the routing options as the flat scalars of
+# `RouterOptions.op_args()`, under the same names, in the same order (top_k .. topk_groups).
+
+
+class _OpInputs:
+    """An op's inputs by argument name. torch.library hands setup_context the op's inputs
+    as a tuple in schema order (defaults filled in), and wants from the backward one
+    gradient per input: `bind` names the first, `grads` builds the second from the
+    gradients there are (None for every other input)."""
+
+    def __init__(self, qualname: str) -> None:
+        namespace, name = qualname.split("::")
+        schema = getattr(getattr(torch.ops, namespace), name).default._schema
+        self.names = tuple(argument.name for argument in schema.arguments)
+
+    def bind(self, inputs: tuple) -> dict[str, object]:
+        return dict(zip(self.names, inputs, strict=True))
+
+    def grads(self, **grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        unknown = sorted(set(grads) - set(self.names))
+        if unknown:
+            raise TypeError(f"gradients for inputs the op does not have: {unknown}")
+        return tuple(grads.get(name) for name in self.names)
 
 
 def _counts_shape(H, S, E, top_k: int, with_counts: bool) -> tuple:
     """Shape of the block counts a routing op returns: [H, NB, E], or [0] without."""
     if not with_counts:
         return (0,)
-    from .kernels.routing import layout_block_t
+    from .kernels.layout import layout_block_t
 
     T = layout_block_t(top_k)
     return (H, (S + T - 1) // T, E)  # cdiv, written out: S may be symbolic in a compile
 
 
+def _no_counts(indices: torch.Tensor) -> torch.Tensor:
+    """The empty [0] int32 tensor an op returns for counts it was not asked for."""
+    return indices.new_empty(0, dtype=torch.int32)
+
+
 @torch.library.custom_op("mhmoe::route_triton", mutates_args=())
-def _route_triton_op(logits: torch.Tensor, top_k: int, score_func: str,
-                     expert_bias: torch.Tensor | None, route_norm: bool, norm_eps: float,
-                     route_scale: float, num_groups: int, topk_groups: int,
-                     with_counts: bool = False
+def _route_triton_op(logits: torch.Tensor, expert_bias: torch.Tensor | None, top_k: int,
+                     score_func: str, route_norm: bool, norm_eps: float, route_scale: float,
+                     num_groups: int, topk_groups: int, with_counts: bool = False
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(probs, indices, counts): counts [H, NB, E] int32, the layout's block counts
     (`triton_route`'s count_block_t = layout_block_t(top_k)) if with_counts, else an
     empty [0] int32 tensor."""
-    from .kernels.routing import layout_block_t, triton_route
+    from .kernels.layout import layout_block_t
+    from .kernels.topk import triton_route
 
-    if not with_counts:
-        probs, indices = triton_route(logits, top_k, score_func, expert_bias, route_norm,
-                                      norm_eps, route_scale, num_groups, topk_groups)
-        return probs, indices, indices.new_empty(0, dtype=torch.int32)
-    return triton_route(logits, top_k, score_func, expert_bias, route_norm, norm_eps,
-                        route_scale, num_groups, topk_groups,
-                        count_block_t=layout_block_t(top_k))
+    options = RouterOptions(top_k, score_func, route_norm, norm_eps, route_scale, num_groups,
+                            topk_groups)
+    out = triton_route(logits, options, expert_bias,
+                       count_block_t=layout_block_t(top_k) if with_counts else None)
+    counts = out.block_counts if with_counts else _no_counts(out.indices)
+    return out.probs, out.indices, counts
 
 
 @_route_triton_op.register_fake
-def _route_triton_fake(logits, top_k, score_func, expert_bias, route_norm, norm_eps,
+def _route_triton_fake(logits, expert_bias, top_k, score_func, route_norm, norm_eps,
                        route_scale, num_groups, topk_groups, with_counts=False):
     H, S, E = logits.shape
     return (logits.new_empty((H, S, top_k), dtype=torch.float32),
@@ -362,44 +413,50 @@ def _route_triton_fake(logits, top_k, score_func, expert_bias, route_norm, norm_
             logits.new_empty(_counts_shape(H, S, E, top_k, with_counts), dtype=torch.int32))
 
 
+_ROUTE_INPUTS = _OpInputs("mhmoe::route_triton")
+
+
 def _route_setup_context(ctx, inputs, output):
-    logits, _, score_func, _, route_norm, norm_eps, route_scale = inputs[:7]
-    ctx.save_for_backward(logits, output[1])
-    ctx.options = (score_func, route_norm, norm_eps, route_scale)
+    args = _ROUTE_INPUTS.bind(inputs)
+    ctx.save_for_backward(args["logits"], output[1])
+    ctx.options = RouterOptions.from_op_args(args)
 
 
 def _route_backward(ctx, grad_probs, grad_indices, grad_counts):
     logits, indices = ctx.saved_tensors
-    grad_logits = route_probs_backward(logits.float(), indices, grad_probs, *ctx.options)
-    return grad_logits.to(logits.dtype), None, None, None, None, None, None, None, None, None
+    o = ctx.options
+    grad_logits = route_probs_backward(logits.float(), indices, grad_probs, o.score_func,
+                                       o.route_norm, o.norm_eps, o.route_scale)
+    return _ROUTE_INPUTS.grads(logits=grad_logits.to(logits.dtype))
 
 
 _route_triton_op.register_autograd(_route_backward, setup_context=_route_setup_context)
 
 
 @torch.library.custom_op("mhmoe::logits_route_triton", mutates_args=())
-def _logits_route_triton_op(x_heads: torch.Tensor, gate: torch.Tensor, top_k: int,
-                            score_func: str, expert_bias: torch.Tensor | None, route_norm: bool,
-                            norm_eps: float, route_scale: float, num_groups: int,
-                            topk_groups: int, save_logits: bool, with_counts: bool = False
+def _logits_route_triton_op(x_heads: torch.Tensor, gate: torch.Tensor,
+                            expert_bias: torch.Tensor | None, top_k: int, score_func: str,
+                            route_norm: bool, norm_eps: float, route_scale: float,
+                            num_groups: int, topk_groups: int, save_logits: bool,
+                            with_counts: bool = False
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(probs, indices, logits, counts): logits [H, S, E] fp32 if save_logits (what
     the backward needs), else an empty [0] tensor; counts as `mhmoe::route_triton`'s."""
-    from .kernels.routing import layout_block_t, triton_logits_route
+    from .kernels.layout import layout_block_t
+    from .kernels.router_logits import triton_logits_route
 
+    options = RouterOptions(top_k, score_func, route_norm, norm_eps, route_scale, num_groups,
+                            topk_groups)
     out = triton_logits_route(
-        x_heads, gate, top_k, score_func, expert_bias, route_norm, norm_eps, route_scale,
-        num_groups, topk_groups, return_logits=save_logits,
+        x_heads, gate, options, expert_bias, return_logits=save_logits,
         count_block_t=layout_block_t(top_k) if with_counts else None)
-    probs, indices, logits = out[:3]
-    if logits is None:
-        logits = probs.new_empty(0)
-    counts = out[3] if with_counts else indices.new_empty(0, dtype=torch.int32)
-    return probs, indices, logits, counts
+    logits = out.logits if save_logits else out.probs.new_empty(0)
+    counts = out.block_counts if with_counts else _no_counts(out.indices)
+    return out.probs, out.indices, logits, counts
 
 
 @_logits_route_triton_op.register_fake
-def _logits_route_triton_fake(x_heads, gate, top_k, score_func, expert_bias, route_norm,
+def _logits_route_triton_fake(x_heads, gate, expert_bias, top_k, score_func, route_norm,
                               norm_eps, route_scale, num_groups, topk_groups, save_logits,
                               with_counts=False):
     S, H, _ = x_heads.shape
@@ -410,12 +467,14 @@ def _logits_route_triton_fake(x_heads, gate, top_k, score_func, expert_bias, rou
             x_heads.new_empty(_counts_shape(H, S, E, top_k, with_counts), dtype=torch.int32))
 
 
+_LOGITS_ROUTE_INPUTS = _OpInputs("mhmoe::logits_route_triton")
+
+
 def _logits_route_setup_context(ctx, inputs, output):
-    x_heads, gate, _, score_func, _, route_norm, norm_eps, route_scale, _, _, save_logits = \
-        inputs[:11]
-    ctx.save_for_backward(x_heads, gate, output[2], output[1])
-    ctx.options = (score_func, route_norm, norm_eps, route_scale)
-    ctx.saved_logits = save_logits
+    args = _LOGITS_ROUTE_INPUTS.bind(inputs)
+    ctx.save_for_backward(args["x_heads"], args["gate"], output[2], output[1])
+    ctx.options = RouterOptions.from_op_args(args)
+    ctx.saved_logits = args["save_logits"]
 
 
 def _logits_route_backward(ctx, grad_probs, grad_indices, grad_logits, grad_counts):
@@ -423,12 +482,15 @@ def _logits_route_backward(ctx, grad_probs, grad_indices, grad_logits, grad_coun
     if not ctx.saved_logits:
         raise RuntimeError("mhmoe::logits_route_triton: backward of a call made with "
                            "save_logits=False (route_tokens sets it when a gradient is needed)")
+    o = ctx.options
     grad = logits.new_zeros(logits.shape) if grad_probs is None else \
-        route_probs_backward(logits, indices, grad_probs, *ctx.options)
+        route_probs_backward(logits, indices, grad_probs, o.score_func, o.route_norm,
+                             o.norm_eps, o.route_scale)
     if grad_logits is not None:
         grad = grad + grad_logits
-    grad_x, grad_gate = _router_logits_backward(grad, x_heads, gate, *ctx.needs_input_grad[:2])
-    return grad_x, grad_gate, None, None, None, None, None, None, None, None, None, None
+    need_x, need_gate = ctx.needs_input_grad[:2]
+    grad_x, grad_gate = _router_logits_backward(grad, x_heads, gate, need_x, need_gate)
+    return _LOGITS_ROUTE_INPUTS.grads(x_heads=grad_x, gate=grad_gate)
 
 
 _logits_route_triton_op.register_autograd(_logits_route_backward,
@@ -445,12 +507,12 @@ def _sort_routes_triton_op(
     indices (at layout_block_t(K)), which replace the layout's count step. positions
     (what the backward of sorted_probs needs) only if with_positions, else an empty
     [0] tensor (nothing written)."""
-    from .kernels.routing import triton_sort_routes
+    from .kernels.layout import triton_sort_routes
 
     out = triton_sort_routes(probs, indices, num_experts, block_counts=block_counts,
                              return_positions=with_positions)
-    positions = out[3] if with_positions else indices.new_empty(0, dtype=torch.int32)
-    return out[1], out[0], out[2], positions
+    positions = out.positions if with_positions else _no_counts(indices)
+    return out.sorted_probs, out.gather_ids, out.offsets, positions
 
 
 @_sort_routes_triton_op.register_fake
@@ -463,24 +525,27 @@ def _sort_routes_triton_fake(probs, indices, num_experts, block_counts=None,
             indices.new_empty(R if with_positions else 0, dtype=torch.int32))
 
 
+_SORT_ROUTES_INPUTS = _OpInputs("mhmoe::sort_routes_triton")
+
+
 def _sort_routes_setup_context(ctx, inputs, output):
-    probs = inputs[0]
+    args = _SORT_ROUTES_INPUTS.bind(inputs)
     ctx.save_for_backward(output[3])
-    ctx.probs_meta = (probs.shape, probs.dtype)
-    ctx.with_positions = inputs[4]  # (torch.library fills in the defaults)
+    ctx.probs_meta = (args["probs"].shape, args["probs"].dtype)
+    ctx.with_positions = args["with_positions"]
 
 
 def _sort_routes_backward(ctx, grad_sorted, grad_gather, grad_offsets, grad_positions):
     (positions,) = ctx.saved_tensors
     shape, dtype = ctx.probs_meta
     if grad_sorted is None:
-        return None, None, None, None, None
+        return _SORT_ROUTES_INPUTS.grads()
     if not ctx.with_positions:
         raise RuntimeError("mhmoe::sort_routes_triton: backward of a call made without "
                            "positions (sort_routes asks for them when probs needs a gradient)")
     # sorted_probs[positions] == probs.flatten(): the backward is that gather.
     grad_probs = grad_sorted[positions.to(torch.int64)].view(shape).to(dtype)
-    return grad_probs, None, None, None, None
+    return _SORT_ROUTES_INPUTS.grads(probs=grad_probs)
 
 
 _sort_routes_triton_op.register_autograd(_sort_routes_backward,

@@ -1,1 +1,50 @@
-"""Triton kernels of mhmoe (one file per kernel family, plus configs.py)."""
+"""GPU kernels of mhmoe: one module per kernel family, tiles in tuning.py.
+
+    router_logits.py        router logits on tensor cores (+ shortlists)
+    topk.py                 top-k selection: the route kernels
+    layout.py               the route layout (counting sort)
+    expert_forward.py       the fused expert forward (Triton)
+    expert_forward_sm90.py  the same contract in Gluon, warp-specialised (sm_90 only)
+    expert_backward.py      the expert backward (dx, dprobs, weight gradients)
+    tuning.py               every per-architecture tile table
+
+`sm90_compile_cases()` lists each tensor-core kernel with the arguments its
+launcher gives it on an H100/H200 at MAGI-2's dims, so that a developer tool
+(tools/sass_audit.py) can compile it for sm_90 without a GPU: a GPU-only kernel
+that stops compiling then fails `make test`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CompileCase:
+    """One kernel as its launcher compiles it.
+
+    kernel:     the @triton.jit or @gluon.jit function.
+    signature:  argument name -> Triton type ("*bf16", "i32", "tensordesc<bf16[64, 32]>").
+    constexprs: constexpr argument -> value (arguments left out take their defaults).
+    divisible:  integer arguments the JIT sees as multiples of 16 (aligned strides).
+    maxnreg:    the launch's register limit, or None.
+    num_ctas:   CTAs a cluster.
+    """
+
+    name: str
+    kernel: object
+    signature: dict[str, str]
+    constexprs: dict[str, object]
+    num_warps: int
+    num_stages: int
+    divisible: tuple[str, ...] = ()
+    maxnreg: int | None = None
+    num_ctas: int = 1
+
+
+def sm90_compile_cases() -> list[CompileCase]:
+    """Every tensor-core kernel at the tiles its launcher picks on sm_90 (MAGI-2 dims)."""
+    from . import expert_backward, expert_forward, expert_forward_sm90, router_logits
+
+    return [*router_logits.sm90_compile_cases(), *expert_forward.sm90_compile_cases(),
+            *expert_forward_sm90.sm90_compile_cases(), *expert_backward.sm90_compile_cases()]

@@ -1,7 +1,7 @@
 """Fused expert MLP backward: dx, d(probabilities) and the three weight gradients.
 
 With g, u = x Wg, x Wu (fp32), a = cast(swiglu7(g, u)), t = dy Wd^T and p the
-route's probability (SPEC section 4 and `reference.expert_backward_reference`):
+route's probability (docs/contract.md section 4 and `reference.expert_backward_reference`):
 
     dprobs = rowsum(a * t)                     (over I; = rowsum((a Wd) * dy))
     da     = p * t;  dg, du = SwiGLU7'(g, u) applied to da
@@ -54,23 +54,17 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from . import backward_configs
-from .backward_configs import (
-    ExpertBackwardConfig,
-    PanelGemmConfig,
-    expert_backward_config,
-    step_down_panel,
-)
+from . import tuning
 from .expert_forward import (
     HeadGroups,
-    _combine_rows,
-    _interpreting,
-    _round_fp32,
-    _tile_map,
-    _tile_rows,
+    combine_rows,
     launch_with_step_down,
+    round_fp32,
+    tile_map,
+    tile_rows,
     tma_fits,
 )
+from .tuning import ExpertBackwardConfig, PanelGemmConfig, interpreting, step_down_panel
 
 __all__ = ["triton_expert_backward"]
 
@@ -104,7 +98,7 @@ def _to_operand(v, dtype: tl.constexpr, UPCAST: tl.constexpr, DOT_FP32: tl.const
         if DOT_FP32:
             return v
         else:
-            return _round_fp32(v, dtype)
+            return round_fp32(v, dtype)
     elif DOT_FP32:
         return v
     else:
@@ -115,7 +109,7 @@ def _to_operand(v, dtype: tl.constexpr, UPCAST: tl.constexpr, DOT_FP32: tl.const
 def _expert_dx_kernel(
     x_ptr, dy_ptr, H,  # x_heads, grad_y: contiguous [S, H, D]
     gather_ids_ptr, probs_ptr, offsets_ptr,  # the RouteLayout: [R], [R], [H*E + 1]
-    tile_expert_ptr, tile_first_ptr,  # [T_max] int32, [G*E] int32 (forward's _tile_map)
+    tile_expert_ptr, tile_first_ptr,  # [T_max] int32, [G*E] int32 (forward's tile_map)
     wg_ptr, wu_ptr, wd_ptr,  # [H*E, D, I], [H*E, D, I], [H*E, I, D]: pointers or TMA descriptors
     dx_ptr, slot_ptr, dprobs_ptr,  # dx: fp32 [S, G, D] or [G*S*K, D] (deterministic); [R]; [R]
     xp_ptr, dyp_ptr, dgp_ptr, dup_ptr, app_ptr,  # PANELS: [P, D], [P, D], [P, I] x 3
@@ -143,8 +137,8 @@ def _expert_dx_kernel(
     e = tl.load(tile_expert_ptr + pid)
     if e >= num_experts:
         return
-    f, head, rows, row_ok, tokens = _tile_rows(pid, e, tile_first_ptr, offsets_ptr,
-                                               gather_ids_ptr, first_expert, E, BLOCK_M)
+    f, head, rows, row_ok, tokens = tile_rows(pid, e, tile_first_ptr, offsets_ptr,
+                                              gather_ids_ptr, first_expert, E, BLOCK_M)
     prow = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # PANELS: this tile's rows
 
     d = tl.arange(0, BLOCK_D)
@@ -201,7 +195,7 @@ def _expert_dx_kernel(
         a, dg, du = _swiglu7_backward(g, u, t * p[:, None])
         # The forward multiplied the activation rounded to the weight dtype.
         if UPCAST:
-            a = _round_fp32(a, w_dtype)
+            a = round_fp32(a, w_dtype)
         else:
             a = a.to(w_dtype).to(tl.float32)
         dprob += tl.sum(a * t, axis=1)
@@ -223,8 +217,8 @@ def _expert_dx_kernel(
             wd_ptrs += BLOCK_I * D
 
     tl.store(dprobs_ptr + rows, dprob, mask=row_ok)
-    _combine_rows(dx_ptr, slot_ptr, acc, xy_ok, rows, row_ok, tokens, head, d, slot_base,
-                  group_heads, first_head, D, DETERMINISTIC)
+    combine_rows(dx_ptr, slot_ptr, acc, xy_ok, rows, row_ok, tokens, head, d, slot_base,
+                 group_heads, first_head, D, DETERMINISTIC)
 
 
 @triton.jit
@@ -256,7 +250,7 @@ def _dw_rows(
     t = tl.dot(dy, wd_t, input_precision=PRECISION)
     a, dg, du = _swiglu7_backward(g, u, t * p[:, None])
     if UPCAST:
-        a = _round_fp32(a, w_dtype)
+        a = round_fp32(a, w_dtype)
     else:
         a = a.to(w_dtype).to(tl.float32)
     ap = _to_operand(a * p[:, None], w_dtype, UPCAST, DOT_FP32)
@@ -335,9 +329,9 @@ def _expert_dw_kernel(
                 D, BLOCK_M, BLOCK_D, UPCAST, DOT_FP32, PRECISION)
 
     if UPCAST:
-        acc_g = _round_fp32(acc_g, w_dtype)
-        acc_u = _round_fp32(acc_u, w_dtype)
-        acc_d = _round_fp32(acc_d, w_dtype)
+        acc_g = round_fp32(acc_g, w_dtype)
+        acc_u = round_fp32(acc_u, w_dtype)
+        acc_d = round_fp32(acc_d, w_dtype)
     tl.store(dwg_ptr + gu_offs, acc_g.to(w_dtype), mask=gu_ok)
     tl.store(dwu_ptr + gu_offs, acc_u.to(w_dtype), mask=gu_ok)
     tl.store(dwd_ptr + f * I * D + i[None, :] * D + d[:, None], acc_d.to(w_dtype), mask=gu_ok)
@@ -414,9 +408,186 @@ def _panel_dw_kernel(
             acc = tl.dot(tl.trans(a), b, acc, input_precision=PRECISION)
     c_dtype = c_ptr.dtype.element_ty
     if UPCAST:
-        acc = _round_fp32(acc, c_dtype)
+        acc = round_fp32(acc, c_dtype)
     tl.store(c_ptr + f * M * N + m[:, None] * N + n[None, :], acc.to(c_dtype),
              mask=(m < M)[:, None] & (n < N)[None, :])
+
+
+class _Panels:
+    """The operands of the weight gradients, written by the dx kernel (PANELS).
+
+    For the experts of one launch of the dx kernel (a group of `heads` heads),
+    with T tiles of block_m rows in its grid: x, dy [T * block_m, D] and dg,
+    du, a * p [T * block_m, I] in the dtype the dots take (the weights' 16-bit
+    dtype, or float32), tile t's routes in rows [t * block_m, (t + 1) * block_m),
+    zeros past an expert's last route. The three weight gradients are then
+    plain GEMMs over each expert's contiguous rows (`_panel_dw_kernel`):
+    dWg = x^T dg, dWu = x^T du, dWd = (a p)^T dy, without recomputing g, u and
+    dy Wd^T (8 GEMMs of [rows, D, I] in all, against 11 for `_expert_dw_kernel`).
+    One buffer of at most `PANEL_WORKSPACE_BYTES` serves every group.
+    """
+
+    def __init__(self, tiles: PanelGemmConfig, heads: int, rows_per_head: int,
+                 D: int, I: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.tiles, self.heads = tiles, heads
+        self.rows = heads * rows_per_head  # panel rows of the largest group
+        self.buffer = torch.empty(self.rows * (2 * D + 3 * I), dtype=dtype, device=device)
+        self.D, self.I = D, I
+
+    @classmethod
+    def plan(cls, config, x_heads, R, F, I, dot_fp32, w_dtype) -> _Panels | None:
+        """Panels for this problem, or None for the recomputing dW kernel: no panel
+        config, or one head's panels would pass PANEL_WORKSPACE_BYTES."""
+        S, H, D = x_heads.shape
+        if config.panel is None:
+            return None
+        dtype = torch.float32 if dot_fp32 else w_dtype
+        block_m = config.dx.block_m
+        E = F // H
+        per_head = _panel_rows(S, H, R, E, 1, block_m)
+        per_head_bytes = per_head * (2 * D + 3 * I) * dtype.itemsize
+        heads = min(H, tuning.PANEL_WORKSPACE_BYTES // per_head_bytes)
+        if heads == 0:
+            _warn_recompute(per_head_bytes)
+            return None
+        return cls(config.panel, heads, per_head, D, I, dtype, x_heads.device)
+
+    def views(self, rows: int) -> tuple[torch.Tensor, ...]:
+        """x, dy [rows, D] and dg, du, a*p [rows, I]: views of one buffer."""
+        if rows > self.rows:
+            raise AssertionError(f"panels of {rows} rows asked of a buffer of {self.rows}")
+        D, I = self.D, self.I
+        sizes = (rows * D, rows * D, rows * I, rows * I, rows * I)
+        parts = self.buffer[:sum(sizes)].split(sizes)
+        return tuple(t.view(rows, -1) for t in parts)
+
+    def weight_gradients(self, views, tile_first, first_expert: int, experts: int, block_m: int,
+                         offsets, grads, dot_fp32: bool, precision: str, interpret: bool):
+        """dWg, dWu, dWd of `experts` flat experts from `first_expert`, from the panels."""
+        xp, dyp, dgp, dup, app = views
+        d_gate, d_up, d_down = grads
+        for a, b, c in ((xp, dgp, d_gate), (xp, dup, d_up), (app, dyp, d_down)):
+            M, N = a.shape[1], b.shape[1]
+
+            def launch(t, a=a, b=b, c=c, M=M, N=N):  # bound now: runs in this pass
+                block_k = min(t.block_k, block_m)
+                use_tma = (t.tma and (M * a.element_size()) % 16 == 0
+                           and (N * b.element_size()) % 16 == 0)
+                if use_tma:
+                    a_arg = TensorDescriptor.from_tensor(a, [block_k, t.block_m])
+                    b_arg = TensorDescriptor.from_tensor(b, [block_k, t.block_n])
+                else:
+                    a_arg, b_arg = a, b
+                grid = (experts * triton.cdiv(M, t.block_m) * triton.cdiv(N, t.block_n),)
+                _panel_dw_kernel[grid](
+                    a_ptr=a_arg, b_ptr=b_arg, c_ptr=c,
+                    offsets_ptr=offsets, tile_first_ptr=tile_first, first_expert=first_expert,
+                    M=M, N=N, TILE_M=block_m,
+                    BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=block_k,
+                    UPCAST=interpret, DOT_FP32=dot_fp32, PRECISION=precision,
+                    USE_TMA=use_tma, num_warps=t.num_warps, num_stages=t.num_stages,
+                )
+
+            self.tiles = launch_with_step_down(launch, self.tiles, step_down_panel)
+
+
+def _panel_rows(S: int, H: int, R: int, E: int, heads: int, block_m: int,
+                uniform: bool = True) -> int:
+    """Rows of the panels of `heads` heads: the dx grid's bound on tiles, times block_m.
+    uniform: every head owns S * K routes (`expert_forward.uniform_routes`), else any
+    of the R routes may be the group's."""
+    routes = S * heads * (R // (S * H)) if uniform and R % (S * H) == 0 else R
+    return (triton.cdiv(routes, block_m) + heads * E) * block_m
+
+
+_warned_recompute = False
+
+
+def _warn_recompute(per_head_bytes: int) -> None:
+    global _warned_recompute
+    if not _warned_recompute:
+        _warned_recompute = True
+        warnings.warn(
+            f"expert_backward: one head's weight-gradient panels would take "
+            f"{per_head_bytes / 2**30:.2f} GiB, more than the "
+            f"{tuning.PANEL_WORKSPACE_BYTES / 2**30:.2f} "
+            f"GiB allowed (mhmoe.kernels.tuning.PANEL_WORKSPACE_BYTES); the weight "
+            f"gradients "
+            f"recompute g, u and dy W_down^T instead (slower, same results up to rounding)",
+            stacklevel=3)
+
+
+def _backward_dw(grad_y, x_heads, gather_ids, sorted_probs, offsets, w_gate, w_up, w_down,
+                 d_gate, d_up, d_down, tiles, dot_fp32, precision, interpret) -> None:
+    """The three weight gradients by recomputation: one launch over every (expert, I slice)."""
+    _, H, D = x_heads.shape
+    F, _, I = w_gate.shape
+
+    def launch(t):
+        _expert_dw_kernel[(F * triton.cdiv(I, t.block_i),)](
+            x_ptr=x_heads, dy_ptr=grad_y, H=H,
+            gather_ids_ptr=gather_ids, probs_ptr=sorted_probs, offsets_ptr=offsets,
+            wg_ptr=w_gate, wu_ptr=w_up, wd_ptr=w_down,
+            dwg_ptr=d_gate, dwu_ptr=d_up, dwd_ptr=d_down, E=F // H,
+            D=D, I=I, BLOCK_M=t.block_m, BLOCK_I=t.block_i, BLOCK_D=triton.next_power_of_2(D),
+            UPCAST=interpret, DOT_FP32=dot_fp32, PRECISION=precision,
+            num_warps=t.num_warps, num_stages=t.num_stages,
+        )
+
+    launch_with_step_down(launch, tiles)
+
+
+def _backward_dx(grad_y, x_heads, gather_ids, sorted_probs, offsets, w_gate, w_up, w_down,
+                 dx, dprobs, tiles, deterministic, dot_fp32, precision, interpret,
+                 panels=None, grads=None) -> None:
+    """dx and dprobs, in groups of heads whose fp32 workspace fits the forward's limits
+    (and with `panels`, at most `panels.heads` heads, each launch followed by the
+    weight gradients of its experts from the panels it wrote)."""
+    S, H, D = x_heads.shape
+    F, _, I = w_gate.shape
+    R = gather_ids.numel()
+    E = F // H
+    groups = HeadGroups(dx, gather_ids, offsets, E, deterministic, "expert_backward",
+                        max_heads=panels.heads if panels is not None else None)
+    block_d = triton.next_power_of_2(D)
+    tma_ok = tma_fits(D, I, w_down.element_size())
+    for h0, g, _routes, out in groups:
+        ran = {}
+
+        def launch(t, h0=h0, g=g, out=out, ran=ran):  # bound now: runs in this pass
+            use_tma = t.tma and tma_ok
+            if use_tma:
+                weights = (TensorDescriptor.from_tensor(w_gate, [1, block_d, t.block_i]),
+                           TensorDescriptor.from_tensor(w_up, [1, block_d, t.block_i]),
+                           TensorDescriptor.from_tensor(w_down, [1, t.block_i, block_d]))
+            else:
+                weights = (w_gate, w_up, w_down)
+            max_tiles = _panel_rows(S, H, R, E, g, t.block_m, groups.uniform_k) // t.block_m
+            tile_expert, tile_first = tile_map(offsets, h0 * E, g * E, t.block_m, max_tiles)
+            views = panels.views(max_tiles * t.block_m) if panels is not None else (dx,) * 5
+            _expert_dx_kernel[(max_tiles,)](
+                x_ptr=x_heads, dy_ptr=grad_y, H=H,
+                gather_ids_ptr=gather_ids, probs_ptr=sorted_probs, offsets_ptr=offsets,
+                tile_expert_ptr=tile_expert, tile_first_ptr=tile_first,
+                wg_ptr=weights[0], wu_ptr=weights[1], wd_ptr=weights[2],
+                dx_ptr=out, slot_ptr=groups.slots, dprobs_ptr=dprobs,
+                xp_ptr=views[0], dyp_ptr=views[1], dgp_ptr=views[2], dup_ptr=views[3],
+                app_ptr=views[4],
+                E=E, first_expert=h0 * E, num_experts=g * E, first_head=h0, group_heads=g,
+                slot_base=h0 * S * groups.K,
+                D=D, I=I, BLOCK_M=t.block_m, BLOCK_I=t.block_i, BLOCK_D=block_d,
+                EVEN_D=D == block_d, EVEN_I=I % t.block_i == 0, DETERMINISTIC=deterministic,
+                UPCAST=interpret, DOT_FP32=dot_fp32, PRECISION=precision, USE_TMA=use_tma,
+                PANELS=panels is not None, num_warps=t.num_warps, num_stages=t.num_stages,
+            )
+            ran.update(views=views, tile_first=tile_first)
+
+        tiles = launch_with_step_down(launch, tiles)
+        if panels is not None:
+            panels.weight_gradients(ran["views"], ran["tile_first"], h0 * E, g * E,
+                                    tiles.block_m, offsets, grads, dot_fp32, precision,
+                                    interpret)
+        groups.finish(h0, g, out, interpret)
 
 
 def triton_expert_backward(
@@ -460,199 +631,81 @@ def triton_expert_backward(
     if S == 0 or R == 0 or D == 0 or I == 0:
         return (dx.zero_(), dprobs.zero_().to(sorted_probs.dtype), d_gate.zero_(), d_up.zero_(),
                 d_down.zero_())
-    interpreting = _interpreting()
+    interpret = interpreting()
     dot_fp32 = (not (x_heads.dtype == grad_y.dtype == w_down.dtype)
                 or w_down.dtype == torch.float32)
     if config is None:
-        config = expert_backward_config(device, R / F, interpreting, fp32_operands=dot_fp32)
+        config = tuning.expert_backward_config(device, R / F, interpret, fp32_operands=dot_fp32)
     # One [S, H, D] layout for both: the kernels share their gather offsets.
     x_heads, grad_y = x_heads.contiguous(), grad_y.contiguous()
     w_gate, w_up, w_down = w_gate.contiguous(), w_up.contiguous(), w_down.contiguous()
     gather_ids, sorted_probs, offsets = (
         gather_ids.contiguous(), sorted_probs.contiguous(), offsets.contiguous())
     precision = "ieee" if dot_fp32 else "tf32"  # tf32 is ignored by 16-bit dots
-    panels = _Panels.plan(config, x_heads, R, F, I, dot_fp32, w_down.dtype, interpreting)
+    panels = _Panels.plan(config, x_heads, R, F, I, dot_fp32, w_down.dtype)
     if panels is None:
         _backward_dw(grad_y, x_heads, gather_ids, sorted_probs, offsets, w_gate, w_up, w_down,
-                     d_gate, d_up, d_down, config.dw, dot_fp32, precision, interpreting)
+                     d_gate, d_up, d_down, config.dw, dot_fp32, precision, interpret)
     _backward_dx(grad_y, x_heads, gather_ids, sorted_probs, offsets, w_gate, w_up, w_down,
-                 dx, dprobs, config.dx, deterministic, dot_fp32, precision, interpreting,
+                 dx, dprobs, config.dx, deterministic, dot_fp32, precision, interpret,
                  panels, (d_gate, d_up, d_down))
     return dx, dprobs.to(sorted_probs.dtype), d_gate, d_up, d_down
 
 
-class _Panels:
-    """The operands of the weight gradients, written by the dx kernel (PANELS).
+def sm90_compile_cases() -> list:
+    """The dx (with and without panels), dW and panel kernels at the sm_90 default tiles
+    (`mhmoe.kernels.CompileCase`; MAGI-2's dims)."""
+    from ..config import MAGI2_PREVIEW as M
+    from . import CompileCase
+    from .tuning import BACKWARD_SM90
 
-    For the experts of one launch of the dx kernel (a group of `heads` heads),
-    with T tiles of block_m rows in its grid: x, dy [T * block_m, D] and dg,
-    du, a * p [T * block_m, I] in the dtype the dots take (the weights' 16-bit
-    dtype, or float32), tile t's routes in rows [t * block_m, (t + 1) * block_m),
-    zeros past an expert's last route. The three weight gradients are then
-    plain GEMMs over each expert's contiguous rows (`_panel_dw_kernel`):
-    dWg = x^T dg, dWu = x^T du, dWd = (a p)^T dy, without recomputing g, u and
-    dy Wd^T (8 GEMMs of [rows, D, I] in all, against 11 for `_expert_dw_kernel`).
-    One buffer of at most `PANEL_WORKSPACE_BYTES` serves every group.
-    """
-
-    def __init__(self, tiles: PanelGemmConfig, heads: int, rows_per_head: int,
-                 D: int, I: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.tiles, self.heads = tiles, heads
-        self.rows = heads * rows_per_head  # panel rows of the largest group
-        self.buffer = torch.empty(self.rows * (2 * D + 3 * I), dtype=dtype, device=device)
-        self.D, self.I = D, I
-
-    @classmethod
-    def plan(cls, config, x_heads, R, F, I, dot_fp32, w_dtype, interpreting) -> _Panels | None:
-        """Panels for this problem, or None for the recomputing dW kernel: no panel
-        config, or one head's panels would pass PANEL_WORKSPACE_BYTES."""
-        S, H, D = x_heads.shape
-        if config.panel is None:
-            return None
-        dtype = torch.float32 if dot_fp32 else w_dtype
-        block_m = config.dx.block_m
-        E = F // H
-        per_head = _panel_rows(S, H, R, E, 1, block_m)
-        per_head_bytes = per_head * (2 * D + 3 * I) * dtype.itemsize
-        heads = min(H, backward_configs.PANEL_WORKSPACE_BYTES // per_head_bytes)
-        if heads == 0:
-            _warn_recompute(per_head_bytes)
-            return None
-        return cls(config.panel, heads, per_head, D, I, dtype, x_heads.device)
-
-    def views(self, rows: int) -> tuple[torch.Tensor, ...]:
-        """x, dy [rows, D] and dg, du, a*p [rows, I]: views of one buffer."""
-        if rows > self.rows:
-            raise AssertionError(f"panels of {rows} rows asked of a buffer of {self.rows}")
-        D, I = self.D, self.I
-        sizes = (rows * D, rows * D, rows * I, rows * I, rows * I)
-        parts = self.buffer[:sum(sizes)].split(sizes)
-        return tuple(t.view(rows, -1) for t in parts)
-
-    def weight_gradients(self, views, tile_first, first_expert: int, experts: int, block_m: int,
-                         offsets, grads, dot_fp32: bool, precision: str, interpreting: bool):
-        """dWg, dWu, dWd of `experts` flat experts from `first_expert`, from the panels."""
-        xp, dyp, dgp, dup, app = views
-        d_gate, d_up, d_down = grads
-        for a, b, c in ((xp, dgp, d_gate), (xp, dup, d_up), (app, dyp, d_down)):
-            M, N = a.shape[1], b.shape[1]
-
-            def launch(t, a=a, b=b, c=c, M=M, N=N):  # bound now: runs in this pass
-                block_k = min(t.block_k, block_m)
-                use_tma = (t.tma and (M * a.element_size()) % 16 == 0
-                           and (N * b.element_size()) % 16 == 0)
-                if use_tma:
-                    a_arg = TensorDescriptor.from_tensor(a, [block_k, t.block_m])
-                    b_arg = TensorDescriptor.from_tensor(b, [block_k, t.block_n])
-                else:
-                    a_arg, b_arg = a, b
-                grid = (experts * triton.cdiv(M, t.block_m) * triton.cdiv(N, t.block_n),)
-                _panel_dw_kernel[grid](
-                    a_ptr=a_arg, b_ptr=b_arg, c_ptr=c,
-                    offsets_ptr=offsets, tile_first_ptr=tile_first, first_expert=first_expert,
-                    M=M, N=N, TILE_M=block_m,
-                    BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=block_k,
-                    UPCAST=interpreting, DOT_FP32=dot_fp32, PRECISION=precision,
-                    USE_TMA=use_tma, num_warps=t.num_warps, num_stages=t.num_stages,
-                )
-
-            self.tiles = launch_with_step_down(launch, self.tiles, step_down_panel)
-
-
-def _panel_rows(S: int, H: int, R: int, E: int, heads: int, block_m: int,
-                uniform: bool = True) -> int:
-    """Rows of the panels of `heads` heads: the dx grid's bound on tiles, times block_m.
-    uniform: every head owns S * K routes (`expert_forward.uniform_routes`), else any
-    of the R routes may be the group's."""
-    routes = S * heads * (R // (S * H)) if uniform and R % (S * H) == 0 else R
-    return (triton.cdiv(routes, block_m) + heads * E) * block_m
-
-
-_warned_recompute = False
-
-
-def _warn_recompute(per_head_bytes: int) -> None:
-    global _warned_recompute
-    if not _warned_recompute:
-        _warned_recompute = True
-        warnings.warn(
-            f"expert_backward: one head's weight-gradient panels would take "
-            f"{per_head_bytes / 2**30:.2f} GiB, more than the "
-            f"{backward_configs.PANEL_WORKSPACE_BYTES / 2**30:.2f} "
-            f"GiB allowed (mhmoe.kernels.backward_configs.PANEL_WORKSPACE_BYTES); the weight "
-            f"gradients "
-            f"recompute g, u and dy W_down^T instead (slower, same results up to rounding)",
-            stacklevel=3)
-
-
-def _backward_dw(grad_y, x_heads, gather_ids, sorted_probs, offsets, w_gate, w_up, w_down,
-                 d_gate, d_up, d_down, tiles, dot_fp32, precision, interpreting) -> None:
-    """The three weight gradients by recomputation: one launch over every (expert, I slice)."""
-    _, H, D = x_heads.shape
-    F, _, I = w_gate.shape
-
-    def launch(t):
-        _expert_dw_kernel[(F * triton.cdiv(I, t.block_i),)](
-            x_ptr=x_heads, dy_ptr=grad_y, H=H,
-            gather_ids_ptr=gather_ids, probs_ptr=sorted_probs, offsets_ptr=offsets,
-            wg_ptr=w_gate, wu_ptr=w_up, wd_ptr=w_down,
-            dwg_ptr=d_gate, dwu_ptr=d_up, dwd_ptr=d_down, E=F // H,
-            D=D, I=I, BLOCK_M=t.block_m, BLOCK_I=t.block_i, BLOCK_D=triton.next_power_of_2(D),
-            UPCAST=interpreting, DOT_FP32=dot_fp32, PRECISION=precision,
-            num_warps=t.num_warps, num_stages=t.num_stages,
-        )
-
-    launch_with_step_down(launch, tiles)
-
-
-def _backward_dx(grad_y, x_heads, gather_ids, sorted_probs, offsets, w_gate, w_up, w_down,
-                 dx, dprobs, tiles, deterministic, dot_fp32, precision, interpreting,
-                 panels=None, grads=None) -> None:
-    """dx and dprobs, in groups of heads whose fp32 workspace fits the forward's limits
-    (and with `panels`, at most `panels.heads` heads, each launch followed by the
-    weight gradients of its experts from the panels it wrote)."""
-    S, H, D = x_heads.shape
-    F, _, I = w_gate.shape
-    R = gather_ids.numel()
-    E = F // H
-    groups = HeadGroups(dx, gather_ids, offsets, E, deterministic, "expert_backward",
-                        max_heads=panels.heads if panels is not None else None)
-    block_d = triton.next_power_of_2(D)
-    tma_ok = tma_fits(D, I, w_down.element_size())
-    for h0, g, _routes, out in groups:
-        ran = {}
-
-        def launch(t, h0=h0, g=g, out=out, ran=ran):  # bound now: runs in this pass
-            use_tma = t.tma and tma_ok
-            if use_tma:
-                weights = (TensorDescriptor.from_tensor(w_gate, [1, block_d, t.block_i]),
-                           TensorDescriptor.from_tensor(w_up, [1, block_d, t.block_i]),
-                           TensorDescriptor.from_tensor(w_down, [1, t.block_i, block_d]))
-            else:
-                weights = (w_gate, w_up, w_down)
-            max_tiles = _panel_rows(S, H, R, E, g, t.block_m, groups.uniform_k) // t.block_m
-            tile_expert, tile_first = _tile_map(offsets, h0 * E, g * E, t.block_m, max_tiles)
-            views = panels.views(max_tiles * t.block_m) if panels is not None else (dx,) * 5
-            _expert_dx_kernel[(max_tiles,)](
-                x_ptr=x_heads, dy_ptr=grad_y, H=H,
-                gather_ids_ptr=gather_ids, probs_ptr=sorted_probs, offsets_ptr=offsets,
-                tile_expert_ptr=tile_expert, tile_first_ptr=tile_first,
-                wg_ptr=weights[0], wu_ptr=weights[1], wd_ptr=weights[2],
-                dx_ptr=out, slot_ptr=groups.slots, dprobs_ptr=dprobs,
-                xp_ptr=views[0], dyp_ptr=views[1], dgp_ptr=views[2], dup_ptr=views[3],
-                app_ptr=views[4],
-                E=E, first_expert=h0 * E, num_experts=g * E, first_head=h0, group_heads=g,
-                slot_base=h0 * S * groups.K,
-                D=D, I=I, BLOCK_M=t.block_m, BLOCK_I=t.block_i, BLOCK_D=block_d,
-                EVEN_D=D == block_d, EVEN_I=I % t.block_i == 0, DETERMINISTIC=deterministic,
-                UPCAST=interpreting, DOT_FP32=dot_fp32, PRECISION=precision, USE_TMA=use_tma,
-                PANELS=panels is not None, num_warps=t.num_warps, num_stages=t.num_stages,
-            )
-            ran.update(views=views, tile_first=tile_first)
-
-        tiles = launch_with_step_down(launch, tiles)
-        if panels is not None:
-            panels.weight_gradients(ran["views"], ran["tile_first"], h0 * E, g * E,
-                                    tiles.block_m, offsets, grads, dot_fp32, precision,
-                                    interpreting)
-        groups.finish(h0, g, out, interpreting)
+    D, I = M.head_dim, M.expert_intermediate_size
+    tma = tma_fits(D, I, 2)
+    cases = []
+    for _, b in BACKWARD_SM90:
+        x = b.dx
+        for panels in (True, False):
+            cases.append(CompileCase(
+                f"expert dx {x.block_m}/{x.block_i}/{x.num_warps}/{x.num_stages}"
+                f"{' panels' if panels else ''}",
+                _expert_dx_kernel,
+                {"x_ptr": "*bf16", "dy_ptr": "*bf16", "H": "i32", "gather_ids_ptr": "*i32",
+                 "probs_ptr": "*fp32", "offsets_ptr": "*i64", "tile_expert_ptr": "*i32",
+                 "tile_first_ptr": "*i32",
+                 "wg_ptr": f"tensordesc<bf16[1, {D}, {x.block_i}]>",
+                 "wu_ptr": f"tensordesc<bf16[1, {D}, {x.block_i}]>",
+                 "wd_ptr": f"tensordesc<bf16[1, {x.block_i}, {D}]>",
+                 "dx_ptr": "*fp32", "slot_ptr": "*i32", "dprobs_ptr": "*fp32",
+                 "xp_ptr": "*bf16", "dyp_ptr": "*bf16", "dgp_ptr": "*bf16",
+                 "dup_ptr": "*bf16", "app_ptr": "*bf16", "E": "i32", "first_expert": "i32",
+                 "num_experts": "i32", "first_head": "i32", "group_heads": "i32",
+                 "slot_base": "i32"},
+                dict(D=D, I=I, BLOCK_M=x.block_m, BLOCK_I=x.block_i, BLOCK_D=D, EVEN_D=True,
+                     EVEN_I=I % x.block_i == 0, DETERMINISTIC=False, UPCAST=False,
+                     DOT_FP32=False, PRECISION="tf32", USE_TMA=tma, PANELS=panels),
+                x.num_warps, x.num_stages, ("H",)))
+        w = b.dw
+        cases.append(CompileCase(
+            f"expert dW {w.block_m}/{w.block_i}/{w.num_warps}/{w.num_stages}",
+            _expert_dw_kernel,
+            {"x_ptr": "*bf16", "dy_ptr": "*bf16", "H": "i32", "gather_ids_ptr": "*i32",
+             "probs_ptr": "*fp32", "offsets_ptr": "*i64", "wg_ptr": "*bf16",
+             "wu_ptr": "*bf16", "wd_ptr": "*bf16", "dwg_ptr": "*bf16", "dwu_ptr": "*bf16",
+             "dwd_ptr": "*bf16", "E": "i32"},
+            dict(D=D, I=I, BLOCK_M=w.block_m, BLOCK_I=w.block_i, BLOCK_D=D, UPCAST=False,
+                 DOT_FP32=False, PRECISION="tf32"),
+            w.num_warps, w.num_stages, ("H",)))
+        p = b.panel
+        for m_dim, n_dim in ((D, I), (I, D)):
+            cases.append(CompileCase(
+                f"panel dW {m_dim}x{n_dim} {p.block_m}/{p.block_n}/{p.block_k}/"
+                f"{p.num_warps}/{p.num_stages} (dx rows {x.block_m})",
+                _panel_dw_kernel,
+                {"a_ptr": f"tensordesc<bf16[{p.block_k}, {p.block_m}]>",
+                 "b_ptr": f"tensordesc<bf16[{p.block_k}, {p.block_n}]>", "c_ptr": "*bf16",
+                 "offsets_ptr": "*i64", "tile_first_ptr": "*i32", "first_expert": "i32"},
+                dict(M=m_dim, N=n_dim, TILE_M=x.block_m, BLOCK_M=p.block_m,
+                     BLOCK_N=p.block_n, BLOCK_K=p.block_k, UPCAST=False, DOT_FP32=False,
+                     PRECISION="tf32", USE_TMA=p.tma),
+                p.num_warps, p.num_stages))
+    return cases

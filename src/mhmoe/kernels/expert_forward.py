@@ -23,12 +23,18 @@ Everything the launch needs comes from shapes: the grid is an upper bound on
 the number of tiles, and each program finds its (expert, row block) in a
 tile -> expert map computed on the device by torch ops (no host sync), so the
 whole call can be captured in a CUDA graph.
+
+The module reads in order: the @triton.jit helpers the backward shares
+(`round_fp32`, `tile_rows`, `combine_rows`), the forward kernel, the combine's
+finishing kernel, then the launcher `triton_expert_forward` with its host helpers
+(the tile map, the head groups of the combine). Tiles come from kernels/tuning.py.
+On sm_90 the launcher may hand the tiles to the Gluon kernel of
+expert_forward_sm90.py instead (`ExpertForwardConfig.warp_specialized`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 import triton
@@ -36,17 +42,12 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .configs import (
-    DEFAULT_WORKSPACE_BYTES,
-    DETERMINISTIC_WORKSPACE_BYTES,
-    ExpertForwardConfig,
-    expert_forward_config,
-    step_down,
-)
+from . import tuning
+from .tuning import ExpertForwardConfig, interpreting, step_down
 
 
 @triton.jit
-def _round_fp32(v, dtype: tl.constexpr):
+def round_fp32(v, dtype: tl.constexpr):
     """fp32 `v` rounded to `dtype` (nearest even), returned as fp32. Interpreter only.
 
     The interpreter's fp32 -> bf16 cast truncates; the GPU's rounds to nearest
@@ -62,8 +63,8 @@ def _round_fp32(v, dtype: tl.constexpr):
 
 
 @triton.jit
-def _tile_rows(pid, e, tile_first_ptr, offsets_ptr, gather_ids_ptr, first_expert, E,
-               BLOCK_M: tl.constexpr):
+def tile_rows(pid, e, tile_first_ptr, offsets_ptr, gather_ids_ptr, first_expert, E,
+              BLOCK_M: tl.constexpr):
     """The routes of tile `pid` (of local expert `e`): (f, head, rows, row_ok, tokens).
 
     rows: [BLOCK_M] positions in the layout, row_ok masks those past the
@@ -82,8 +83,8 @@ def _tile_rows(pid, e, tile_first_ptr, offsets_ptr, gather_ids_ptr, first_expert
 
 
 @triton.jit
-def _combine_rows(out_ptr, slot_ptr, acc, ok, rows, row_ok, tokens, head, d, slot_base,
-                  group_heads, first_head, D: tl.constexpr, DETERMINISTIC: tl.constexpr):
+def combine_rows(out_ptr, slot_ptr, acc, ok, rows, row_ok, tokens, head, d, slot_base,
+                 group_heads, first_head, D: tl.constexpr, DETERMINISTIC: tl.constexpr):
     """Add a tile's fp32 [BLOCK_M, BLOCK_D] rows to their (token, head).
 
     Default: fp32 atomics into the [S, G, D] buffer (order of the K adds varies).
@@ -140,8 +141,8 @@ def _expert_forward_kernel(
     e = tl.load(tile_expert_ptr + pid)
     if e >= num_experts:
         return
-    f, head, rows, row_ok, tokens = _tile_rows(pid, e, tile_first_ptr, offsets_ptr,
-                                               gather_ids_ptr, first_expert, E, BLOCK_M)
+    f, head, rows, row_ok, tokens = tile_rows(pid, e, tile_first_ptr, offsets_ptr,
+                                              gather_ids_ptr, first_expert, E, BLOCK_M)
 
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
@@ -210,7 +211,7 @@ def _expert_forward_kernel(
         # units, which otherwise bound this loop. Far below the bf16 rounding of a.
         a = tl.fdiv(g, 1.0 + tl.exp2(-2.4554669595930157 * g)) * (u + 1.0)
         if UPCAST:
-            a = _round_fp32(a, w_dtype)
+            a = round_fp32(a, w_dtype)
         else:
             a = a.to(w_dtype)
             if DOT_FP32:
@@ -227,8 +228,8 @@ def _expert_forward_kernel(
     prob = tl.load(probs_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     acc = acc * prob[:, None]
     ok = row_ok[:, None] & d_ok[None, :]
-    _combine_rows(out_ptr, slot_ptr, acc, ok, rows, row_ok, tokens, head, d, slot_base,
-                  group_heads, first_head, D, DETERMINISTIC)
+    combine_rows(out_ptr, slot_ptr, acc, ok, rows, row_ok, tokens, head, d, slot_base,
+                 group_heads, first_head, D, DETERMINISTIC)
 
 
 @triton.jit
@@ -260,15 +261,11 @@ def _sum_slots_kernel(
         s = pairs - g * S
     y_ptrs = y_ptr + s[:, None] * stride_ys + (first_head + g)[:, None] * stride_yh + d[None, :]
     if UPCAST:
-        acc = _round_fp32(acc, y_ptr.dtype.element_ty)
+        acc = round_fp32(acc, y_ptr.dtype.element_ty)
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def _pair_delta(w_gate: torch.Tensor, w_up: torch.Tensor, interpreting: bool) -> int | None:
+def _pair_delta(w_gate: torch.Tensor, w_up: torch.Tensor, interpret: bool) -> int | None:
     """Distance from W_gate to W_up in elements when the kernel may load them as one
     operand (PAIRED), else None.
 
@@ -280,7 +277,7 @@ def _pair_delta(w_gate: torch.Tensor, w_up: torch.Tensor, interpreting: bool) ->
     """
     if (w_gate.dtype != w_up.dtype or w_gate.shape != w_up.shape
             or not (w_gate.is_contiguous() and w_up.is_contiguous())
-            or (interpreting and w_gate.device.type != "cpu")):
+            or (interpret and w_gate.device.type != "cpu")):
         return None
     delta, rest = divmod(w_up.data_ptr() - w_gate.data_ptr(), w_gate.element_size())
     if rest or delta % 16 or abs(delta) >= 2**62:
@@ -346,8 +343,8 @@ def uniform_routes(gather_ids: torch.Tensor, offsets: torch.Tensor, S: int, H: i
     return True
 
 
-def _tile_map(offsets: torch.Tensor, first: int, count: int, block_m: int, max_tiles: int,
-              with_total: bool = False):
+def tile_map(offsets: torch.Tensor, first: int, count: int, block_m: int, max_tiles: int,
+             with_total: bool = False):
     """Tiles of experts [first, first + count): (tile_expert [max_tiles], tile_first [count]),
     and with `with_total` the number of tiles (int32 [1], on the device).
 
@@ -373,7 +370,7 @@ def tma_fits(D: int, I: int, elem: int) -> bool:
 
 
 def launch_with_step_down(launch, config, step=step_down):
-    """Run `launch(config)`, shrinking the tiles (`step`, by default `configs.step_down`)
+    """Run `launch(config)`, shrinking the tiles (`step`, by default `tuning.step_down`)
     while they do not fit the chip; returns the config that ran."""
     while True:
         try:
@@ -386,96 +383,37 @@ def launch_with_step_down(launch, config, step=step_down):
             config = smaller
 
 
-# Whether the Gluon kernel's default mode finishes the combine itself (HeadGroups
-# `fused`, forward v7). Off: right (GPU tests) but slower so far at S = 32768, 9.55-9.60 ms
-# against 9.38-9.49 without it and its two passes (benchmarks/NOTES.md, session 13). On, it
-# needs K routes for every (token, head), as every sort_routes layout has: a layout whose
-# heads have S*K routes but spread otherwise stops the stream with a device-side error.
-# One kept workspace a device serves every call: CUDA graph replays must not run beside
-# other forwards on other streams.
-FUSED_COMBINE = False
-_ZEROED: dict = {}  # device -> [fp32 buffer kept zero, stream of its last use, older buffers]
-
-
-def zeroed_workspace(device: torch.device, numel: int) -> torch.Tensor:
-    """An fp32 buffer of `numel` zeros on `device` that the caller leaves zero again (the
-    fused combine of `expert_forward_ws`), kept from call to call: no fill each call.
-
-    One a device, grown when a call needs more (doubled, up to the workspace limit); a
-    buffer outgrown is kept too, since a CUDA graph may have captured it. A call on
-    another stream than the last waits for that stream's work first (never two kernels
-    on it at once; graph replays are the caller's to order). A first or growing call
-    under graph capture raises (the capture would own the memory): warm up outside it."""
-    stream = torch.cuda.current_stream(device)
-    capturing = torch.cuda.is_current_stream_capturing()
-    entry = _ZEROED.get(device)
-    if entry is None or entry[0].numel() < numel:
-        if capturing:
-            raise RuntimeError(
-                "expert_forward: the fused combine's workspace is allocated (or grown) on the "
-                "first call that needs it, which a CUDA graph capture cannot hold; run the "
-                "forward once at this size outside the capture first (warm-up)")
-        if entry is not None and entry[1] != stream:
-            stream.wait_stream(entry[1])
-        # (doubled, up to the workspace limit: a call at a new size then grows it once)
-        size = numel if entry is None else max(numel, min(2 * entry[0].numel(),
-                                                          DEFAULT_WORKSPACE_BYTES // 4))
-        older = [] if entry is None else entry[2] + [entry[0]]
-        entry = _ZEROED[device] = [torch.zeros(size, dtype=torch.float32, device=device),
-                                   stream, older]
-    elif entry[1] != stream:
-        if not capturing:  # (a capture starts after a device-wide synchronisation)
-            stream.wait_stream(entry[1])
-        entry[1] = stream
-    return entry[0][:numel]
-
-
-def release_zeroed_workspaces() -> None:
-    """Free the fused combine's kept workspaces (`zeroed_workspace`) once the device is
-    idle; the next call that needs one allocates it again. No CUDA graph captured
-    before may be replayed after this."""
-    _ZEROED.clear()
-
-
 class HeadGroups:
     """The combine of a kernel whose programs each produce fp32 [rows, D] route rows
     of a [S, H, D] `result` (the forward's y, the backward's dx).
 
     Iterating gives (h0, g, routes, out): heads [h0, h0 + g) are one launch, whose
-    workspace `out` stays within the limits of configs.py; `finish` then writes
+    workspace `out` stays within `tuning.combine_workspace_bytes`; `finish` then writes
     them into `result`. Default mode: `out` is an fp32 [S, g, D] buffer for atomic
     adds (`result` itself when it is fp32). Deterministic mode: `out` is an fp32
     [g*S*K, D] buffer of per-route slots (`slots`), which `_sum_slots_kernel` adds
     in a fixed order. `routes` bounds the routes of the group (for the grid).
     `max_heads` caps the heads of a group below what the workspace limits allow.
-
-    fused (default mode, a kernel that takes it): where the sums need a workspace and
-    every (token, head) has K routes, the kernel finishes each (token, head) itself
-    when it has counted its K routes (`counts`, int32 [S*H], zero at the start) and
-    zeroes its workspace row again; the workspace is kept zero from call to call
-    (`zeroed_workspace`), so no fill and no finishing pass. `finish` then checks that
-    every count reached K (on the device: a layout with other counts stops the
-    stream with an error instead of leaving rows unfinished or the workspace dirty).
     """
 
     def __init__(self, result: torch.Tensor, gather_ids: torch.Tensor, offsets: torch.Tensor,
                  num_experts: int, deterministic: bool, op: str,
-                 max_heads: int | None = None, fused: bool = False) -> None:
+                 max_heads: int | None = None) -> None:
         S, H, D = result.shape
         R = gather_ids.numel()
         self.result, self.deterministic = result, deterministic
         self.uniform_k = uniform_routes(gather_ids, offsets, S, H)
         self.K = R // (S * H)
         cap = H if max_heads is None else max_heads
+        limit = tuning.combine_workspace_bytes(deterministic)
         self.workspace = None
-        self.fused = False
         if deterministic:
             if not self.uniform_k:
                 raise ValueError(f"{op}: deterministic mode needs the same number of routes "
                                  f"for every (token, head); R={R} is not a multiple of "
                                  f"S*H={S * H}")
             self.slots = _route_slots(gather_ids, offsets, S, num_experts, self.K)
-            self.size = max(1, min(H, cap, DETERMINISTIC_WORKSPACE_BYTES // (S * self.K * D * 4)))
+            self.size = max(1, min(H, cap, limit // (S * self.K * D * 4)))
             # One workspace for the largest group; each group uses a prefix of it.
             self.workspace = torch.empty(self.size * S * self.K * D, dtype=torch.float32,
                                          device=result.device)
@@ -484,14 +422,9 @@ class HeadGroups:
             if result.dtype == torch.float32 and cap >= H:
                 self.size = H  # one group: accumulate straight into the result
             else:
-                self.size = max(1, min(H, cap, DEFAULT_WORKSPACE_BYTES // (S * D * 4)))
-                self.fused = fused and self.uniform_k and self.K > 0
-                if self.fused:
-                    self.workspace = zeroed_workspace(result.device, S * self.size * D)
-                    self.counts = torch.zeros(S * H, dtype=torch.int32, device=result.device)
-                else:
-                    self.workspace = torch.empty(S * self.size * D, dtype=torch.float32,
-                                                 device=result.device)
+                self.size = max(1, min(H, cap, limit // (S * D * 4)))
+                self.workspace = torch.empty(S * self.size * D, dtype=torch.float32,
+                                             device=result.device)
 
     def __iter__(self):
         S, H, D = self.result.shape
@@ -504,35 +437,26 @@ class HeadGroups:
                 out = self.workspace[:g * S * self.K * D].view(g * S * self.K, D)
             elif self.workspace is None:
                 out = self.result.zero_()
-            elif self.fused:
-                out = self.workspace[:S * g * D].view(S, g, D)  # zero: kept so
             else:
                 out = self.workspace[:S * g * D].view(S, g, D).zero_()
             yield h0, g, routes, out
 
-    def counts_of(self, h0: int, g: int) -> torch.Tensor:
-        """The fused combine's counters of heads [h0, h0 + g): int32 [S, g]."""
-        S = self.result.shape[0]
-        return self.counts[h0 * S:(h0 + g) * S].view(S, g)
-
-    def finish(self, h0: int, g: int, out: torch.Tensor, interpreting: bool) -> None:
+    def finish(self, h0: int, g: int, out: torch.Tensor, interpret: bool) -> None:
+        """Write the group's sums into heads [h0, h0 + g) of the result (nothing to do
+        where the group accumulated into the result itself)."""
         S, _, D = self.result.shape
-        if self.fused:
-            _require(self.counts_of(h0, g), self.K,
-                     f"expert_forward: the fused combine needs K = {self.K} routes for every "
-                     "(token, head) of the layout (as every sort_routes layout has); this "
-                     "layout gives some another count")
-        elif self.deterministic or self.workspace is not None:
+        if self.deterministic or self.workspace is not None:
             # Deterministic: the K slots of each (token, head) added in order. Default:
-            # the [S, g, D] sums cast into the result's heads (torch's copy into that
-            # strided slice ran at 2.3 TB/s on an H200: benchmarks/NOTES.md, layer v12).
-            block_d = triton.next_power_of_2(D)
-            sum_p, sum_d = 32, min(128, block_d)
-            grid = (triton.cdiv(g * S, sum_p), triton.cdiv(D, sum_d))
+            # the [S, g, D] sums cast into the result's heads, token-major (faster than
+            # torch's copy into that strided slice: docs/expert-forward.md, "The token-major
+            # finish").
+            t = tuning.slot_sum_config(D)
+            grid = (triton.cdiv(g * S, t.block_p), triton.cdiv(D, t.block_d))
             _sum_slots_kernel[grid](
                 out, self.result, self.result.stride(0), self.result.stride(1), S, h0, g * S,
-                D=D, K=self.K if self.deterministic else 1, BLOCK_P=sum_p, BLOCK_D=sum_d,
-                UPCAST=interpreting, TOKEN_MAJOR=not self.deterministic, num_warps=4,
+                D=D, K=self.K if self.deterministic else 1, BLOCK_P=t.block_p,
+                BLOCK_D=t.block_d, UPCAST=interpret, TOKEN_MAJOR=not self.deterministic,
+                num_warps=t.num_warps,
             )
 
 
@@ -548,7 +472,8 @@ def triton_expert_forward(
     deterministic: bool = False,
     config: ExpertForwardConfig | None = None,
 ) -> torch.Tensor:
-    """Fused expert MLPs of every route, summed per (token, head) (SPEC section 4).
+    """Fused expert MLPs of every route, summed per (token, head) (docs/contract.md
+    section 4).
 
     x_heads: [S, H, D] (bf16, fp16 or fp32); gather_ids: [R] int32/int64 token
     of each route; sorted_probs: [R] float; offsets: [H*E + 1] int64 CSR by
@@ -557,9 +482,10 @@ def triton_expert_forward(
 
     deterministic: bitwise reproducible and independent of the token order;
     needs every (token, head) to have the same number K = R / (S*H) of routes
-    (true of every `sort_routes` layout). config: force tiles (tests); with
-    `warp_specialized` (the sm_90 default above 40 routes per expert) the Gluon
-    kernel of `expert_forward_ws.py` runs instead, with the same results.
+    (true of every `sort_routes` layout). config: force tiles (tests; default
+    `tuning.expert_forward_config`); with `warp_specialized` (the sm_90 default above
+    40 routes per expert) the Gluon kernel of `expert_forward_sm90.py` runs instead, at
+    the tiles of `tuning.expert_forward_sm90_config`, with the same results.
     Inputs are assumed valid (`experts.check_expert_inputs`); nothing is read
     back to the host. Works on CUDA tensors, and on CPU tensors under
     TRITON_INTERPRET=1.
@@ -570,16 +496,14 @@ def triton_expert_forward(
     R = gather_ids.numel()
     device = x_heads.device
     y = torch.empty(S, H, D, dtype=x_heads.dtype, device=device)
-    if S == 0 or R == 0 or D == 0:
+    if S == 0 or R == 0 or D == 0 or I == 0:
         return y.zero_()
-    if I == 0:
-        return y.zero_()
-    interpreting = _interpreting()
+    interpret = interpreting()
     forced = config is not None
     if config is None:
-        config = expert_forward_config(device, R / F, D, w_down.dtype, interpreting)
+        config = tuning.expert_forward_config(device, R / F, D, w_down.dtype, interpret)
     if config.warp_specialized:
-        from . import expert_forward_ws as ws  # Gluon: imported where it may run
+        from . import expert_forward_sm90 as ws  # Gluon: imported where it may run
 
         if not ws.ws_fits(x_heads, w_gate, w_up, w_down):
             if forced:
@@ -594,26 +518,26 @@ def triton_expert_forward(
     gather_ids, sorted_probs, offsets = (
         gather_ids.contiguous(), sorted_probs.contiguous(), offsets.contiguous())
     dot_fp32 = x_heads.dtype != w_down.dtype or w_down.dtype == torch.float32
-    groups = HeadGroups(y, gather_ids, offsets, E, deterministic, "expert_forward",
-                        fused=config.warp_specialized and FUSED_COMBINE)
+    groups = HeadGroups(y, gather_ids, offsets, E, deterministic, "expert_forward")
     if config.warp_specialized:
-        descs = ws.weight_descriptors(w_gate, w_up, w_down)
-        tmaps = ws.cached_tensor_maps(w_gate, w_up, w_down) if config.cluster > 1 else None
+        sm90 = tuning.expert_forward_sm90_config()
+        descs = ws.weight_descriptors(w_gate, w_up, w_down, sm90.block_i)
+        tmaps = (ws.cached_tensor_maps(w_gate, w_up, w_down, sm90.block_i)
+                 if config.cluster > 1 else None)
         for h0, g, routes, out in groups:
-            max_tiles = triton.cdiv(routes, ws.BLOCK_M) + g * E
-            tile_expert, tile_first, total = _tile_map(offsets, h0 * E, g * E, ws.BLOCK_M,
-                                                       max_tiles, with_total=True)
+            max_tiles = triton.cdiv(routes, sm90.block_m) + g * E
+            tile_expert, tile_first, total = tile_map(offsets, h0 * E, g * E, sm90.block_m,
+                                                      max_tiles, with_total=True)
             ws.launch_ws(x_heads, gather_ids, sorted_probs, offsets, descs, out, groups.slots,
-                         tile_expert, tile_first, total, E=E, first_expert=h0 * E,
-                         first_head=h0, group_heads=g, slot_base=h0 * S * groups.K, I=I,
-                         deterministic=deterministic, cluster=config.cluster, tmaps=tmaps,
-                         **(dict(y=y, counts=groups.counts_of(h0, g), K=groups.K)
-                            if groups.fused else {}))
-            groups.finish(h0, g, out, interpreting)
+                         tile_expert, tile_first, total, config=sm90, E=E,
+                         first_expert=h0 * E, first_head=h0, group_heads=g,
+                         slot_base=h0 * S * groups.K, I=I, deterministic=deterministic,
+                         cluster=config.cluster, tmaps=tmaps)
+            groups.finish(h0, g, out, interpret)
         return y
     block_d = triton.next_power_of_2(D)
     use_tma = config.tma and tma_fits(D, I, w_down.element_size())
-    pair_delta = _pair_delta(w_gate, w_up, interpreting) if config.paired else None
+    pair_delta = _pair_delta(w_gate, w_up, interpret) if config.paired else None
     for h0, g, routes, out in groups:
 
         def launch(cfg, h0=h0, g=g, routes=routes, out=out):  # bound now: runs in this pass
@@ -629,7 +553,7 @@ def triton_expert_forward(
             else:
                 down = w_down
             max_tiles = triton.cdiv(routes, cfg.block_m) + g * E
-            tile_expert, tile_first = _tile_map(offsets, h0 * E, g * E, cfg.block_m, max_tiles)
+            tile_expert, tile_first = tile_map(offsets, h0 * E, g * E, cfg.block_m, max_tiles)
             _expert_forward_kernel[(max_tiles,)](
                 x_ptr=x_heads, stride_xs=x_heads.stride(0), stride_xh=x_heads.stride(1),
                 gather_ids_ptr=gather_ids, probs_ptr=sorted_probs, offsets_ptr=offsets,
@@ -641,12 +565,45 @@ def triton_expert_forward(
                 D=D, I=I, BLOCK_M=cfg.block_m, BLOCK_I=cfg.block_i,
                 BLOCK_D=block_d, EVEN_D=D == block_d,
                 EVEN_I=I % cfg.block_i == 0, DETERMINISTIC=deterministic,
-                UPCAST=interpreting, DOT_FP32=dot_fp32,
+                UPCAST=interpret, DOT_FP32=dot_fp32,
                 PRECISION="ieee" if dot_fp32 else "tf32",  # tf32 is ignored by 16-bit dots
                 USE_TMA=use_tma, PAIRED=pair_delta is not None,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )
 
         config = launch_with_step_down(launch, config)
-        groups.finish(h0, g, out, interpreting)
+        groups.finish(h0, g, out, interpret)
     return y
+
+
+def sm90_compile_cases() -> list:
+    """The Triton forward kernel at every sm_90 default tile, default and deterministic
+    (`mhmoe.kernels.CompileCase`; MAGI-2's dims)."""
+    from ..config import MAGI2_PREVIEW as M
+    from . import CompileCase
+    from .tuning import FORWARD_SM90
+
+    D, I = M.head_dim, M.expert_intermediate_size
+    tma = tma_fits(D, I, 2)
+    cases = []
+    for _, f in FORWARD_SM90:
+        for det in (False, True):
+            desc_gu = f"tensordesc<bf16[1, {D}, {f.block_i}]>"
+            cases.append(CompileCase(
+                f"expert forward {f.block_m}/{f.block_i}/{f.num_warps}/{f.num_stages}"
+                f"{' paired' if f.paired else ''}{' deterministic' if det else ''}",
+                _expert_forward_kernel,
+                {"x_ptr": "*bf16", "stride_xs": "i32", "stride_xh": "i32",
+                 "gather_ids_ptr": "*i32", "probs_ptr": "*fp32", "offsets_ptr": "*i64",
+                 "tile_expert_ptr": "*i32", "tile_first_ptr": "*i32",
+                 "wg_ptr": "*bf16" if f.paired or not tma else desc_gu,
+                 "wu_ptr": "*bf16" if f.paired or not tma else desc_gu,
+                 "wd_ptr": f"tensordesc<bf16[1, {f.block_i}, {D}]>" if tma else "*bf16",
+                 "out_ptr": "*fp32", "slot_ptr": "*i32", "E": "i32", "first_expert": "i32",
+                 "num_experts": "i32", "first_head": "i32", "group_heads": "i32",
+                 "slot_base": "i32", "pair_delta": "i32"},
+                dict(D=D, I=I, BLOCK_M=f.block_m, BLOCK_I=f.block_i, BLOCK_D=D, EVEN_D=True,
+                     EVEN_I=I % f.block_i == 0, DETERMINISTIC=det, UPCAST=False,
+                     DOT_FP32=False, PRECISION="tf32", USE_TMA=tma, PAIRED=f.paired),
+                f.num_warps, f.num_stages, ("stride_xs", "stride_xh", "pair_delta")))
+    return cases

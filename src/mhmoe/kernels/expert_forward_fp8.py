@@ -1,0 +1,244 @@
+"""Fused expert forward with fp8 (e4m3) expert weights (docs/contract.md section 10).
+
+The same program structure as kernels/expert_forward.py: one program owns
+BLOCK_M routes of one flat expert, gathers their x rows once, and walks the
+intermediate dimension I in slices of BLOCK_I; the [rows, I] activations never
+leave the chip. Weights arrive as e4m3 with fp32 scales, one per expert output
+channel (`W = W_fp8 * scale`, the scale broadcast over the reduced dimension),
+stored K-major for the tensor cores: W_gate and W_up as [F, I, D], W_down as
+[F, D, I] (the layer's parameters are transposed views of these, see
+mhmoe/fp8.py). Two ways to multiply, by shape (kernels/tuning.py):
+
+- ACT_FP8 (fp8 tensor cores): each x row is quantized with its own dynamic
+  scale s_x = amax / 448, so g = (xq @ Wgq) * s_x * s_gate exactly factors the
+  scales out of the fp32 accumulation. SwiGLU7 runs on the fp32 accumulators;
+  its output a is quantized per row and per slice of BLOCK_I columns
+  (s_a = amax / 448 of that piece), and the down GEMM accumulates
+  sum_slices s_a * (aq @ Wdq): the accumulator is kept in units of the current
+  slice's scale (multiplied by s_prev / s_a before each slice, by the last s_a at
+  the end), so the slices share one wgmma accumulator instead of two register
+  tiles. BLOCK_I is therefore part of the numerics: `fp8.ACT_BLOCK`.
+- weight-only: the fp8 weights are widened to bf16 on chip (exact) and the
+  products run on bf16 tensor cores, with the channel scales applied to the fp32
+  accumulators; a is rounded to bf16 as in the bf16 layer. It moves half the
+  weight bytes of the bf16 kernel, which is what bounds few routes per expert.
+
+The epilogue and the combine (default: fp32 atomics; deterministic: per-route
+slots summed in a fixed order) are those of the bf16 kernel (`combine_rows`,
+`HeadGroups`). Every scale is per row, so a route's result does not depend on
+which tile or which other tokens it was computed with.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from . import tuning
+from .expert_forward import HeadGroups, combine_rows, tile_map, tile_rows
+from .tuning import interpreting
+
+# The largest finite e4m3 value, and the amax below which a row quantizes as if its
+# amax were this (all-zero padding heads then give zeros, never 0/0). The same
+# numbers as mhmoe.fp8's FP8_MAX and AMAX_FLOOR, as kernel constants.
+_FP8_MAX = tl.constexpr(448.0)
+_AMAX_FLOOR = tl.constexpr(2.0 ** -64)
+
+
+@triton.jit
+def _to_e4m3(v, INTERPRET: tl.constexpr):
+    """fp32 v -> e4m3, round to nearest even, saturated at +-448 (the GPU's
+    cvt.rn.satfinite, and torch's cast). The interpreter's cast rounds otherwise,
+    so there the value is first rounded in fp32 on the bits: 3 mantissa bits in
+    the normal range, multiples of 2^-9 below 2^-6 (by adding and subtracting
+    1.5 * 2^14, whose fp32 spacing is 2^-9), then cast exactly."""
+    if INTERPRET:
+        a = tl.abs(v)
+        bits = a.to(tl.uint32, bitcast=True)
+        normal = ((bits + (0x7FFFF + ((bits >> 20) & 1))) & 0xFFF00000).to(tl.float32,
+                                                                           bitcast=True)
+        sub = (a + 24576.0) - 24576.0
+        r = tl.minimum(tl.where(a < 0.015625, sub, normal), _FP8_MAX)
+        sign = v.to(tl.uint32, bitcast=True) & 0x80000000  # -0.0 stays -0.0, as on the GPU
+        return (r.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True).to(
+            tl.float8e4nv)
+    else:
+        return v.to(tl.float8e4nv)
+
+
+@triton.jit
+def _row_scale(v):
+    """Dynamic per-row scale of an fp32 tile: max(amax, _AMAX_FLOOR) / 448."""
+    return tl.maximum(tl.max(tl.abs(v), axis=1), _AMAX_FLOOR) / _FP8_MAX
+
+
+@triton.jit
+def _expert_forward_fp8_kernel(
+    x_ptr, stride_xs, stride_xh,  # x_heads [S, H, D] bf16; unit stride along D
+    gather_ids_ptr, probs_ptr, offsets_ptr,  # the RouteLayout: [R], [R], [H*E + 1]
+    tile_expert_ptr, tile_first_ptr,  # the tile map of expert_forward.tile_map
+    wg_desc, wu_desc, wd_desc,  # e4m3 descriptors: [F, I, D], [F, I, D], [F, D, I]
+    sg_ptr, su_ptr, sd_ptr,  # fp32 channel scales: [F, I], [F, I], [F, D]
+    out_ptr, slot_ptr,  # default: fp32 [S, G, D]; deterministic: fp32 [G*S*K, D], slots [R]
+    E, first_expert, num_experts, first_head, group_heads, slot_base,
+    D: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
+    DETERMINISTIC: tl.constexpr, ACT_FP8: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """Expert MLPs of one tile of routes, fp8 weights.
+
+    Launch grid: (T_max,), as `expert_forward._expert_forward_kernel`: program t owns
+    rows [offsets[f] + b * BLOCK_M, ...) of expert f (tile_expert[t], tile_first[f]);
+    programs past the last tile return at once. D and I are multiples of 16 and
+    BLOCK_I divides I (the launcher checks), so no load is masked but the rows'.
+    """
+    pid = tl.program_id(0)
+    e = tl.load(tile_expert_ptr + pid)
+    if e >= num_experts:
+        return
+    f, head, rows, row_ok, tokens = tile_rows(pid, e, tile_first_ptr, offsets_ptr,
+                                              gather_ids_ptr, first_expert, E, BLOCK_M)
+    d = tl.arange(0, D)
+    i = tl.arange(0, BLOCK_I)
+    x = tl.load(x_ptr + tokens[:, None] * stride_xs + head * stride_xh + d[None, :],
+                mask=row_ok[:, None], other=0.0).to(tl.float32)
+    if ACT_FP8:
+        s_x = _row_scale(x)
+        xq = _to_e4m3(x / s_x[:, None], INTERPRET)
+        s_prev = tl.full([BLOCK_M], 1.0, tl.float32)
+    else:
+        xb = x.to(tl.bfloat16)
+    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    f32 = f.to(tl.int32)
+    for i0 in range(0, I, BLOCK_I):
+        wg = wg_desc.load([f32, i0, 0]).reshape(BLOCK_I, D)
+        wu = wu_desc.load([f32, i0, 0]).reshape(BLOCK_I, D)
+        wd = wd_desc.load([f32, 0, i0]).reshape(D, BLOCK_I)
+        sg = tl.load(sg_ptr + f * I + i0 + i)
+        su = tl.load(su_ptr + f * I + i0 + i)
+        if ACT_FP8:
+            g = tl.dot(xq, tl.trans(wg)) * s_x[:, None] * sg[None, :]
+            u = tl.dot(xq, tl.trans(wu)) * s_x[:, None] * su[None, :]
+        else:
+            if INTERPRET:  # the interpreter's bf16 arithmetic is wrong: fp32 of exact values
+                g = tl.dot(x, tl.trans(wg).to(tl.float32)) * sg[None, :]
+                u = tl.dot(x, tl.trans(wu).to(tl.float32)) * su[None, :]
+            else:
+                g = tl.dot(xb, tl.trans(wg).to(tl.bfloat16)) * sg[None, :]
+                u = tl.dot(xb, tl.trans(wu).to(tl.bfloat16)) * su[None, :]
+        g = tl.minimum(g, 7.0)
+        u = tl.minimum(tl.maximum(u, -7.0), 7.0)
+        # g * sigmoid(1.702 g) as in the bf16 kernel: one exp2 and a fast reciprocal.
+        a = tl.fdiv(g, 1.0 + tl.exp2(-2.4554669595930157 * g)) * (u + 1.0)
+        if ACT_FP8:
+            s_a = _row_scale(a)
+            aq = _to_e4m3(a / s_a[:, None], INTERPRET)
+            acc = acc * (s_prev / s_a)[:, None]
+            acc = tl.dot(aq, tl.trans(wd), acc)
+            s_prev = s_a
+        elif INTERPRET:
+            bits = a.to(tl.uint32, bitcast=True)  # a rounded to bf16 (nearest even)
+            a = ((bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000).to(tl.float32,
+                                                                          bitcast=True)
+            acc = tl.dot(a, tl.trans(wd).to(tl.float32), acc)
+        else:
+            acc = tl.dot(a.to(tl.bfloat16), tl.trans(wd).to(tl.bfloat16), acc)
+    if ACT_FP8:
+        acc = acc * s_prev[:, None]
+    sd = tl.load(sd_ptr + f * D + d)
+    prob = tl.load(probs_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    acc = acc * sd[None, :] * prob[:, None]
+    combine_rows(out_ptr, slot_ptr, acc, row_ok[:, None], rows, row_ok, tokens, head, d,
+                 slot_base, group_heads, first_head, D, DETERMINISTIC)
+
+
+def triton_expert_forward_fp8(
+    x_heads: torch.Tensor,
+    gather_ids: torch.Tensor,
+    sorted_probs: torch.Tensor,
+    offsets: torch.Tensor,
+    wg_t: torch.Tensor,
+    wu_t: torch.Tensor,
+    wd_t: torch.Tensor,
+    gate_scale: torch.Tensor,
+    up_scale: torch.Tensor,
+    down_scale: torch.Tensor,
+    *,
+    deterministic: bool = False,
+    config: tuning.Fp8ForwardConfig | None = None,
+) -> torch.Tensor:
+    """Expert MLPs of every route with fp8 weights, summed per (token, head).
+
+    x_heads: [S, H, D] bf16; the layout as `triton_expert_forward`'s;
+    wg_t, wu_t: [H*E, I, D] e4m3 (W_gate and W_up transposed, contiguous);
+    wd_t: [H*E, D, I] e4m3 (W_down transposed, contiguous);
+    gate_scale, up_scale: [H*E, I] fp32; down_scale: [H*E, D] fp32.
+    Returns y [S, H, D] bf16. config: force tiles and the multiply (tests; default
+    `tuning.fp8_forward_config` by routes per expert). Inputs are assumed valid
+    (`experts.check_fp8_expert_inputs`); nothing is read back to the host.
+    """
+    S, H, D = x_heads.shape
+    F, I, _ = wg_t.shape
+    E = F // H
+    R = gather_ids.numel()
+    y = torch.empty(S, H, D, dtype=x_heads.dtype, device=x_heads.device)
+    if S == 0 or R == 0:
+        return y.zero_()
+    interpret = interpreting()
+    if config is None:
+        config = tuning.fp8_forward_config(x_heads.device, R / F, interpret)
+    if x_heads.stride(2) != 1:
+        x_heads = x_heads.contiguous()
+    gather_ids, sorted_probs, offsets = (
+        gather_ids.contiguous(), sorted_probs.contiguous(), offsets.contiguous())
+    bi = config.block_i
+    descs = (TensorDescriptor.from_tensor(wg_t, [1, bi, D]),
+             TensorDescriptor.from_tensor(wu_t, [1, bi, D]),
+             TensorDescriptor.from_tensor(wd_t, [1, D, bi]))
+    groups = HeadGroups(y, gather_ids, offsets, E, deterministic, "expert_forward_fp8")
+    for h0, g, routes, out in groups:
+        max_tiles = triton.cdiv(routes, config.block_m) + g * E
+        tile_expert, tile_first = tile_map(offsets, h0 * E, g * E, config.block_m, max_tiles)
+        _expert_forward_fp8_kernel[(max_tiles,)](
+            x_heads, x_heads.stride(0), x_heads.stride(1),
+            gather_ids, sorted_probs, offsets, tile_expert, tile_first, *descs,
+            gate_scale, up_scale, down_scale, out, groups.slots,
+            E, h0 * E, g * E, h0, g, h0 * S * groups.K,
+            D=D, I=I, BLOCK_M=config.block_m, BLOCK_I=bi, DETERMINISTIC=deterministic,
+            ACT_FP8=config.act_fp8, INTERPRET=interpret,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+        groups.finish(h0, g, out, interpret)
+    return y
+
+
+def sm90_compile_cases() -> list:
+    """This kernel at every sm_90 default tile of `tuning.FP8_FORWARD_SM90`, both
+    modes (`mhmoe.kernels.CompileCase`; MAGI-2's dims)."""
+    from ..config import MAGI2_PREVIEW as M
+    from . import CompileCase
+
+    D, I = M.head_dim, M.expert_intermediate_size
+    cases = []
+    for _, c in tuning.FP8_FORWARD_SM90:
+        for det in (False, True):
+            cases.append(CompileCase(
+                f"expert forward fp8 {c.block_m}/{c.block_i}/{c.num_warps}/{c.num_stages}"
+                f"{' fp8-act' if c.act_fp8 else ' weight-only'}"
+                f"{' deterministic' if det else ''}",
+                _expert_forward_fp8_kernel,
+                {"x_ptr": "*bf16", "stride_xs": "i32", "stride_xh": "i32",
+                 "gather_ids_ptr": "*i32", "probs_ptr": "*fp32", "offsets_ptr": "*i64",
+                 "tile_expert_ptr": "*i32", "tile_first_ptr": "*i32",
+                 "wg_desc": f"tensordesc<fp8e4nv[1, {c.block_i}, {D}]>",
+                 "wu_desc": f"tensordesc<fp8e4nv[1, {c.block_i}, {D}]>",
+                 "wd_desc": f"tensordesc<fp8e4nv[1, {D}, {c.block_i}]>",
+                 "sg_ptr": "*fp32", "su_ptr": "*fp32", "sd_ptr": "*fp32",
+                 "out_ptr": "*fp32", "slot_ptr": "*i32", "E": "i32", "first_expert": "i32",
+                 "num_experts": "i32", "first_head": "i32", "group_heads": "i32",
+                 "slot_base": "i32"},
+                dict(D=D, I=I, BLOCK_M=c.block_m, BLOCK_I=c.block_i, DETERMINISTIC=det,
+                     ACT_FP8=c.act_fp8, INTERPRET=False),
+                c.num_warps, c.num_stages, ("stride_xs", "stride_xh")))
+    return cases

@@ -1,0 +1,738 @@
+"""Every per-architecture tile choice of the kernels, as data.
+
+One place for the tiles, chosen by documented functions from the GPU
+architecture and the problem's shapes (never from routing results, which live
+on the device). Tests and benchmarks can pass their own configs instead.
+
+    expert_forward_config()    ExpertForwardConfig   kernels/expert_forward.py (+ _sm90.py)
+    expert_forward_sm90_config()  ExpertForwardSm90Config  kernels/expert_forward_sm90.py
+    slot_sum_config()          SlotSumConfig         the expert combine's finishing kernel
+    combine_workspace_bytes()  the expert combine's workspace limit (bytes)
+    expert_backward_config()   ExpertBackwardConfig  kernels/expert_backward.py
+    logits_route_config()      LogitsRouteConfig     kernels/router_logits.py
+    route_tiles(), shortlist_route_tiles()  RouteTiles, ShortlistRouteTiles  kernels/topk.py
+    layout_block_t(), layout_chunk(), ..., LAYOUT_SCAN_TILES           kernels/layout.py
+
+`step_down()` / `step_down_panel()` give the next smaller config when one does not
+fit the chip. The reasons behind each table row, and the measurements that chose
+it, are in docs/expert-forward.md, docs/expert-backward.md and docs/routing.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ExpertForwardConfig:
+    """Tiles of the fused expert kernel (`kernels/expert_forward.py`).
+
+    block_m:    routes (rows of the gathered x tile) one program owns; the
+                fp32 accumulator is [block_m, D] and lives in registers.
+    block_i:    width of one slice of the intermediate dimension I; the
+                program loops over I in slices of block_i.
+    num_warps:  warps per program (4 = one Hopper warpgroup).
+    num_stages: software-pipelining depth of the weight-slice loads.
+    tma:        load weight slices with tensor descriptors (bulk copies) where
+                the shapes allow; False forces per-thread pointer loads.
+    paired:     multiply x by the gate and up slices as one [D, 2*block_i]
+                operand (one wgmma of N = 2*block_i, per-thread pointer loads
+                over both tensors) where W_gate and W_up allow it; `tma` then
+                applies to W_down alone. False: two dots, gate and up.
+    warp_specialized: the Gluon kernel of `kernels/expert_forward_sm90.py` (sm_90, bf16,
+                D = 256, I a multiple of 64): persistent, two MMA warpgroups taking
+                turns, two loader warps; its tiles are its own (128 routes, slices of
+                64). The other fields are the Triton kernel's tiles for shapes it does
+                not take when the default table picks the row; a config a caller passes
+                with warp_specialized for such a shape raises ValueError.
+    cluster:    with warp_specialized, 2 runs the kernel in clusters of two CTAs
+                that share each weight stage by multicast bulk copies (1: no clusters).
+    """
+
+    block_m: int
+    block_i: int
+    num_warps: int
+    num_stages: int
+    tma: bool = True
+    paired: bool = False
+    warp_specialized: bool = False
+    cluster: int = 1
+
+    def __post_init__(self) -> None:
+        check_tiles(self, ("block_m", "block_i"))
+        if self.cluster not in (1, 2) or (self.cluster == 2 and not self.warp_specialized):
+            raise ValueError("ExpertForwardConfig.cluster must be 1, or 2 with "
+                             f"warp_specialized; got {self.cluster}")
+
+
+def check_tiles(cfg, blocks: tuple[str, ...]) -> None:
+    """Raise ValueError unless cfg's `blocks` are powers of two >= 16, num_warps a power
+    of two <= 16 and num_stages >= 1 (the rules of every tile config here)."""
+    kind = type(cfg).__name__
+    for name in blocks:
+        value = getattr(cfg, name)
+        if value < 16 or value & (value - 1):
+            raise ValueError(f"{kind}.{name} must be a power of two >= 16, got {value}")
+    if cfg.num_warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"{kind}.num_warps must be a power of two <= 16, got {cfg.num_warps}")
+    if cfg.num_stages < 1:
+        raise ValueError(f"{kind}.num_stages must be >= 1, got {cfg.num_stages}")
+
+
+# Rows per expert (R / number of flat experts, known from shapes alone) -> tiles.
+# Each row is (upper bound on the mean rows per expert, config); the first row
+# whose bound is >= the mean wins. Few rows per expert make the kernel stream
+# weights (small block_m wastes less tensor-core work on padding); many rows
+# make it compute-bound (block_m = 128 halves the weight re-reads from L2
+# against 64, and two warpgroups share each weight slice in shared memory).
+# paired (one N=64 wgmma for gate|up through pointer loads) pays only where the
+# x tile is reused over several row blocks per expert; where the kernel streams
+# weights the bulk copies of `tma` win. warp_specialized (the Gluon kernel) wins
+# once each expert has a few row blocks, but not where both kernels only stream
+# weights. cluster=2 (weight stages shared by multicast between two CTAs) pays
+# only at many rows per expert. The measured crossovers behind each bound are in
+# docs/expert-forward.md ("Tiles").
+FORWARD_SM90 = (
+    (40.0, ExpertForwardConfig(block_m=64, block_i=32, num_warps=4, num_stages=4)),
+    (192.0, ExpertForwardConfig(block_m=128, block_i=32, num_warps=8, num_stages=3,
+                                warp_specialized=True)),
+    (576.0, ExpertForwardConfig(block_m=128, block_i=32, num_warps=8, num_stages=3,
+                                paired=True, warp_specialized=True)),
+    (float("inf"), ExpertForwardConfig(block_m=128, block_i=32, num_warps=8, num_stages=3,
+                                       paired=True, warp_specialized=True, cluster=2)),
+)
+# Ampere/Ada and unknown CUDA GPUs: less shared memory, no wgmma.
+FORWARD_GENERIC = (
+    (float("inf"), ExpertForwardConfig(block_m=64, block_i=32, num_warps=4, num_stages=2)),
+)
+# The Triton interpreter (CPU tests): big tiles run fastest there.
+FORWARD_INTERPRETER = (
+    (float("inf"), ExpertForwardConfig(block_m=32, block_i=32, num_warps=4, num_stages=1)),
+)
+FORWARD_TABLES = {(9, 0): FORWARD_SM90}
+
+# Shared memory a program may use, by architecture (bytes); the default for others.
+_SMEM_BYTES = {(9, 0): 227 * 1024, (8, 0): 163 * 1024}
+_SMEM_DEFAULT = 99 * 1024
+
+# Workspace limits (bytes) of the expert launchers' combine (`expert_forward.HeadGroups`,
+# also the backward's dx): the fp32 [S, G, D] accumulator of the default mode and the
+# per-route [G*S*K, D] buffer of the deterministic mode are sized for at most this many
+# bytes; larger problems run in several launches over groups of G heads.
+DEFAULT_WORKSPACE_BYTES = 256 * 2**20
+DETERMINISTIC_WORKSPACE_BYTES = 1024 * 2**20
+
+
+def combine_workspace_bytes(deterministic: bool) -> int:
+    """The combine's workspace limit in bytes for a mode (read at every call, so tests
+    can lower DEFAULT_WORKSPACE_BYTES / DETERMINISTIC_WORKSPACE_BYTES to force head groups)."""
+    return DETERMINISTIC_WORKSPACE_BYTES if deterministic else DEFAULT_WORKSPACE_BYTES
+
+
+@dataclass(frozen=True)
+class SlotSumConfig:
+    """Tiles of the combine's finishing kernel (`expert_forward._sum_slots_kernel`), which
+    adds the K per-route slots of each (token, head) in order (deterministic mode) or casts
+    the default mode's fp32 [S, G, D] sums into the result's heads.
+
+    block_p:    (token, head) pairs a program owns.
+    block_d:    columns a program owns (at most: lowered to D's next power of two).
+    num_warps:  warps per program.
+    """
+
+    block_p: int
+    block_d: int
+    num_warps: int
+
+    def __post_init__(self) -> None:
+        for name in ("block_p", "block_d"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"SlotSumConfig.{name} must be a power of two, got {value}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"SlotSumConfig.num_warps must be a power of two <= 16, "
+                             f"got {self.num_warps}")
+
+
+# A streaming kernel (one read of the sums, one write of y): 32 x 128 fp32 a program, in
+# one warpgroup, keeps each thread's loads 16 bytes wide and many programs in flight.
+SLOT_SUM = SlotSumConfig(block_p=32, block_d=128, num_warps=4)
+
+
+def slot_sum_config(d: int) -> SlotSumConfig:
+    """The finishing kernel's tiles for head width `d` (the same on every GPU)."""
+    block_d = min(SLOT_SUM.block_d, 1 << max(d - 1, 0).bit_length())
+    return dataclasses.replace(SLOT_SUM, block_d=block_d)
+
+
+def _arch(device: torch.device) -> tuple[int, int] | None:
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_capability(device)
+
+
+def _smem_bytes(cfg: ExpertForwardConfig, d: int, elem: int) -> int:
+    """Shared memory the kernel needs: x tile, pipelined weight slices, barriers.
+
+    The activation feeds the down GEMM from registers (Hopper), so it takes none.
+    """
+    block_d = 1 << max(d - 1, 0).bit_length()
+    x_tile = cfg.block_m * block_d * elem
+    weights = 3 * block_d * cfg.block_i * elem
+    return x_tile + cfg.num_stages * weights + 1024
+
+
+def expert_forward_config(
+    device: torch.device, rows_per_expert: float, d: int, dtype: torch.dtype,
+    interpreting: bool = False,
+) -> ExpertForwardConfig:
+    """The default tiles for a problem of `rows_per_expert` mean routes per expert.
+
+    device: where the kernel runs; d: head width D; dtype: the weights' dtype.
+    The table's choice is then shrunk (pipelining depth first, then block_i,
+    then block_m) until its shared memory fits the architecture.
+    """
+    arch = _arch(device)
+    if interpreting or arch is None:
+        table = FORWARD_INTERPRETER
+    else:
+        table = FORWARD_TABLES.get(arch, FORWARD_GENERIC)
+    cfg = pick(table, rows_per_expert)
+    limit = _SMEM_BYTES.get(arch, _SMEM_DEFAULT) if arch is not None else None
+    elem = 4 if dtype == torch.float32 else 2
+    while limit is not None and _smem_bytes(cfg, d, elem) > limit:
+        smaller = step_down(cfg)
+        if smaller is None:
+            break
+        cfg = smaller
+    return cfg
+
+
+def pick(table, rows_per_expert: float) -> ExpertForwardConfig:
+    """The config of the first row of `table` whose bound is >= rows_per_expert."""
+    return next(c for bound, c in table if rows_per_expert <= bound)
+
+
+def step_down(cfg: ExpertForwardConfig) -> ExpertForwardConfig | None:
+    """The next config to try after `cfg` ran out of resources; None when none is left."""
+    if cfg.num_stages > 1:
+        return dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
+    if cfg.block_i > 16:
+        return dataclasses.replace(cfg, block_i=cfg.block_i // 2)
+    if cfg.block_m > 16:
+        return dataclasses.replace(cfg, block_m=cfg.block_m // 2,
+                                   num_warps=max(1, cfg.num_warps // 2))
+    return None
+
+
+@dataclass(frozen=True)
+class ExpertForwardSm90Config:
+    """Tiles and register budget of the Gluon kernel (`kernels/expert_forward_sm90.py`),
+    which runs where an `ExpertForwardConfig` says `warp_specialized` and the shapes fit.
+
+    block_m:    routes a tile; each of the two MMA warpgroups owns half of them.
+    block_i:    width of a slice of I, and the edge of the square TMA boxes that load
+                every weight chunk (bf16: 128-byte rows, the widest swizzled box).
+    num_warps:  warps of the default partition (MMA warpgroup 0).
+    The kernel's code is written for block_m = 128, block_i = 64 and num_warps = 4
+    (64-row warpgroup halves, [64, 128] ring stages); other values are refused.
+    num_stages: depth of the weight ring, stages of [block_i, 2 * block_i] bf16 (16 KB)
+                beside the 64 KB x tile in the SM's shared memory.
+    maxnreg:    registers a thread at launch. The kernel runs 12 warps (the loaders' and
+                the idle warps round up to a third warpgroup) of maxnreg registers, which
+                fill the SM's 64K registers.
+    mma_regs, load_regs: what each MMA warpgroup and the loader warpgroup then ask for
+                (setmaxnreg): an MMA warpgroup holds its [64, 256] fp32 accumulator (128
+                registers), the [64, 128] gate|up accumulator (64) and a(j) (16); the
+                loaders need few, and give back what the MMA warpgroups take.
+    """
+
+    block_m: int
+    block_i: int
+    num_warps: int
+    num_stages: int
+    maxnreg: int
+    mma_regs: int
+    load_regs: int
+
+    def __post_init__(self) -> None:
+        if (self.block_m, self.block_i, self.num_warps) != (128, 64, 4):
+            raise ValueError("ExpertForwardSm90Config: the Gluon kernel is written for "
+                             "block_m=128, block_i=64, num_warps=4; got "
+                             f"{self.block_m}, {self.block_i}, {self.num_warps}")
+        x_tile = self.block_m * 256 * 2  # bf16, D = 256
+        ring = self.num_stages * self.block_i * 2 * self.block_i * 2
+        if self.num_stages < 1 or x_tile + ring + 1024 > _SMEM_BYTES[(9, 0)]:
+            raise ValueError(f"ExpertForwardSm90Config.num_stages={self.num_stages}: the ring "
+                             "and the x tile must fit the sm_90 shared memory")
+        for name in ("mma_regs", "load_regs"):
+            value = getattr(self, name)
+            if value % 8 or not 24 <= value <= 256:
+                raise ValueError(f"ExpertForwardSm90Config.{name} must be a multiple of 8 in "
+                                 f"[24, 256] (setmaxnreg), got {value}")
+        if 2 * self.mma_regs + self.load_regs > 3 * self.maxnreg:
+            raise ValueError("ExpertForwardSm90Config: two MMA warpgroups of mma_regs and one "
+                             "of load_regs must fit the 3 * maxnreg registers a thread the "
+                             "launch reserves")
+
+
+# Ten 16 KB stages fill what the x tile leaves of the 227 KB. 240 registers for the MMA
+# warpgroups: with fewer, ptxas serialises every wgmma for want of registers (which the
+# SASS audit's count of asynchronous waits catches); 2 * 240 + 24 = 3 * 168. The design
+# and its measurements: docs/expert-forward.md ("The Gluon kernel (warp-specialised)").
+FORWARD_SM90_GLUON = ExpertForwardSm90Config(block_m=128, block_i=64, num_warps=4,
+                                             num_stages=10, maxnreg=168, mma_regs=240,
+                                             load_regs=24)
+
+
+def expert_forward_sm90_config() -> ExpertForwardSm90Config:
+    """The Gluon kernel's tiles (it runs on sm_90 only, so there is one row)."""
+    return FORWARD_SM90_GLUON
+
+
+# The fp8 expert forward (kernels/expert_forward_fp8.py).
+
+
+@dataclass(frozen=True)
+class Fp8ForwardConfig:
+    """Tiles of the fp8 expert kernel, and how it multiplies.
+
+    block_m, block_i, num_warps, num_stages: as `ExpertForwardConfig`'s.
+    act_fp8:    fp8 tensor cores (x and the SwiGLU7 output quantized on the fly);
+                block_i must then be `fp8.ACT_BLOCK`, the activation scale's
+                block (part of the numerics). False: the weights widened to bf16 on
+                chip (weight-only), for few routes per expert.
+    """
+
+    block_m: int
+    block_i: int
+    num_warps: int
+    num_stages: int
+    act_fp8: bool
+
+    def __post_init__(self) -> None:
+        check_tiles(self, ("block_m", "block_i"))
+        from ..fp8 import ACT_BLOCK
+
+        if self.act_fp8 and self.block_i != ACT_BLOCK:
+            raise ValueError(f"Fp8ForwardConfig.block_i must be {ACT_BLOCK} (the activation "
+                             f"scale's block) with act_fp8, got {self.block_i}")
+
+
+# Mean rows per expert -> tiles, as FORWARD_SM90. The fp8 tensor cores at every size:
+# the weight-only multiply measured slower everywhere; one warpgroup of 64 routes where
+# few routes per expert make the kernel stream weights, two of 128 above. The sweep
+# behind this: docs/fp8.md ("Measured").
+FP8_FORWARD_SM90 = (
+    (96.0, Fp8ForwardConfig(block_m=64, block_i=64, num_warps=4, num_stages=3, act_fp8=True)),
+    (float("inf"), Fp8ForwardConfig(block_m=128, block_i=64, num_warps=8, num_stages=3,
+                                    act_fp8=True)),
+)
+FP8_FORWARD_INTERPRETER = (
+    (float("inf"), Fp8ForwardConfig(block_m=32, block_i=64, num_warps=4, num_stages=1,
+                                    act_fp8=True)),
+)
+
+
+def fp8_forward_config(device: torch.device, rows_per_expert: float,
+                       interpreting: bool = False) -> Fp8ForwardConfig:
+    """The fp8 kernel's tiles and multiply for `rows_per_expert` mean routes per expert
+    (Hopper's table on CUDA: fp8 tensor cores need sm_89 or later)."""
+    table = FP8_FORWARD_INTERPRETER if interpreting or device.type != "cuda" \
+        else FP8_FORWARD_SM90
+    return pick(table, rows_per_expert)
+
+
+# Tiles of the logits (+ route) kernel of kernels/router_logits.py, per architecture, as data.
+
+
+@dataclass(frozen=True)
+class LogitsRouteConfig:
+    """Tiles of the logits kernel of `kernels/router_logits.py`.
+
+    block_s:    tokens one program owns; its [block_s, E] fp32 logits tile lives
+                in registers (block_s * E * 4 bytes over 32 * num_warps threads).
+    block_d:    the K step of each tl.dot (a power of two >= 16; the launcher
+                lowers it to the largest power of two dividing D).
+    num_warps:  warps per program (4 = one Hopper warpgroup, which owns 64 rows).
+    num_stages: software-pipelining depth of the x and weight slice loads.
+    from_tile:  gather each picked expert's logit from the register tile (a masked
+                sum per top-k round; the logits tile stays live beside the
+                selection tile: two tiles of registers) rather than re-reading
+                it from the logits written to memory (then always written:
+                block_s * E * 4 bytes of stores a program, one tile of registers).
+    split:      two launches: the kernel computes and writes the logits only
+                (ROUTE=False), then `_route_kernel` routes them (its own tiles):
+                each part runs at its own occupancy, for 4 bytes per score
+                written and read again. from_tile is then unused.
+    half_stores: with split, store the logits tile as two halves of its columns
+                (when the tile has >= 32 columns, min(block_e, E); else ignored), so
+                the layout change before the stores takes half the shared memory
+                (the same values are written).
+    block_e:    with split, the experts (columns) one program computes, a power of
+                two >= 16 (None or >= E: all E). A program reads block_e rows of the
+                weight parts: tiles of many tokens and few experts read as few weight
+                bytes per token as tiles of all experts, in fewer registers.
+    tma_store:  with split, the logits leave through bulk (TMA) stores (sm_90).
+    shortlist:  with split, for sigmoid scores without groups and K <= 16: the logits
+                kernel also lists, per row and column block, its next_pow2(K) largest
+                approximate keys (expert ids in their low bits), whose experts hold the
+                row's exact top K (`topk._shortlist`), and `_shortlist_route_kernel`
+                routes each row from those lists: the K picked logits read where the
+                keys order the picks, the listed ones where they do not, instead of all
+                E (the same results, bitwise).
+    merged_lists: with shortlist, where K < next_pow2(K) < block_e / 4: the lists come
+                from sorting networks on each thread's keys and two merges between
+                threads (`topk._shortlist_merged`) instead of next_pow2(K) + 1 passes
+                over the tile's keys (nine at K = 6; the same lists where both are sure,
+                bitwise the same routes either way; fewer instructions and registers
+                on sm_90, docs/routing.md "Shortlists").
+    """
+
+    block_s: int
+    block_d: int
+    num_warps: int
+    num_stages: int
+    from_tile: bool
+    split: bool = False
+    half_stores: bool = False
+    block_e: int | None = None
+    tma_store: bool = False
+    shortlist: bool = False
+    merged_lists: bool = False
+
+    def __post_init__(self) -> None:
+        blocks = ("block_s", "block_d") + (("block_e",) if self.block_e is not None else ())
+        check_tiles(self, blocks)
+        if self.block_e is not None and not self.split:
+            raise ValueError("LogitsRouteConfig.block_e needs split: routing takes whole rows")
+        if self.shortlist and not self.split:
+            raise ValueError("LogitsRouteConfig.shortlist needs split")
+
+
+# Hopper (sm_90): the split kernels (logits, then the route kernel), 128 tokens x 128
+# of the experts a program on one warpgroup, so that two programs share an SM and
+# one's tensor-core phase overlaps the other's epilogue; bulk (TMA) stores of the
+# logits in two column halves (fewer registers, half the shared memory of the
+# layout change); shortlists by merged sorting networks. Why each of these, and the
+# tiles swept against it: docs/routing.md ("Tiles of the logits kernel").
+LOGITS_ROUTE_CONFIGS = {
+    (9, 0): LogitsRouteConfig(block_s=128, block_d=32, num_warps=4, num_stages=3,
+                              from_tile=False, split=True, half_stores=True, block_e=128,
+                              tma_store=True, shortlist=True, merged_lists=True),
+}
+# Other CUDA GPUs (no wgmma): 8 warps keep the tile at 64 registers a thread (sm_80: no spills).
+LOGITS_ROUTE_GENERIC = LogitsRouteConfig(block_s=64, block_d=32, num_warps=8, num_stages=2,
+                                          from_tile=False)
+# The interpreter (CPU tests): its cost is per program and per op, so big tiles.
+LOGITS_ROUTE_INTERPRETER = LogitsRouteConfig(block_s=128, block_d=256, num_warps=4,
+                                              num_stages=1, from_tile=True)
+
+
+def logits_route_config(device: torch.device, interpreting: bool = False) -> LogitsRouteConfig:
+    """The default tiles of `kernels/router_logits.py`'s logits (+ route) kernel on `device`
+    (the interpreter's off CUDA or when `interpreting`)."""
+    if device.type != "cuda" or interpreting:
+        return LOGITS_ROUTE_INTERPRETER
+    arch = torch.cuda.get_device_capability(device)
+    return LOGITS_ROUTE_CONFIGS.get(arch, LOGITS_ROUTE_GENERIC)
+
+
+# Routing: route kernel and layout
+#
+# The route kernels of kernels/topk.py, the layout kernels of kernels/layout.py and
+# the weight split of kernels/router_logits.py. Their tiles do not depend on the
+# architecture (no tensor cores); they do on the interpreter, whose cost is per program
+# and per op, so it takes whole blocks. Why each value: docs/routing.md ("Packed keys",
+# "Shortlists") and docs/layout.md ("History and measurements").
+
+
+def interpreting() -> bool:
+    """Whether Triton runs its interpreter (TRITON_INTERPRET=1: CPU tensors, the tests)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _next_pow2(n: int) -> int:
+    """The least power of two >= n (n >= 1), as triton.next_power_of_2."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+@dataclass(frozen=True)
+class RouteTiles:
+    """Tiles of the route kernel (`kernels/topk.py`, `_route_kernel`).
+
+    block_rows: tokens of one head a program routes at a time; their [block_rows,
+                next_pow2(E)] fp32 logits tile lives in registers.
+    num_warps:  warps per program.
+    iters:      tiles a program walks, loading the next one while routing the current.
+    """
+
+    block_rows: int
+    num_warps: int
+    iters: int = 1
+
+
+# fp32 columns one warp covers (32 lanes x 16-byte loads). A wider row would be split
+# across warps, and each of its 2 K row reductions would go through shared memory with
+# a barrier: such rows get one warp a program.
+ROUTE_WARP_COLUMNS = 128
+# Scores a thread holds: few registers, so many programs share an SM.
+ROUTE_SCORES_PER_THREAD = 16
+ROUTE_MAX_ROWS = 64
+# The interpreter: as many rows as make this many scores a program (at most 128 rows).
+ROUTE_INTERPRETER_SCORES = 16384
+
+
+def route_tiles(S: int, E: int, interpreting: bool = False, *, block_rows: int | None = None,
+                num_warps: int | None = None, iters: int | None = None) -> RouteTiles:
+    """The route kernel's tiles for S tokens of a head with E experts; the keywords
+    override a choice (tests, tuning).
+
+    num_warps: 1 where a row is wider than a warp covers, else 4. block_rows: about
+    ROUTE_SCORES_PER_THREAD scores a thread (at most ROUTE_MAX_ROWS rows), no more rows
+    than S needs; an explicit block_rows is taken as it is. iters: 1 (more tiles a
+    program measured no faster).
+    """
+    block_e = _next_pow2(max(E, 1))
+    if num_warps is None:
+        num_warps = 1 if block_e > ROUTE_WARP_COLUMNS else 4
+    if block_rows is None:
+        block_rows = max(1, min(ROUTE_MAX_ROWS, ROUTE_SCORES_PER_THREAD * 32 * num_warps //
+                                block_e))
+        if interpreting:
+            block_rows = max(1, min(128, ROUTE_INTERPRETER_SCORES // block_e))
+        block_rows = min(block_rows, _next_pow2(max(S, 1)))
+    return RouteTiles(block_rows, num_warps, 1 if iters is None else iters)
+
+
+@dataclass(frozen=True)
+class ShortlistRouteTiles:
+    """Tiles of the shortlist route kernel (`kernels/topk.py`, `_shortlist_route_kernel`).
+
+    block_rows:    tokens of one head a program routes from their shortlists.
+    num_warps:     warps per program.
+    fallback_rows: rows a program with an unsure list walks at a time, routing from the
+                   whole logits only those steps that hold an unsure row.
+    """
+
+    block_rows: int
+    num_warps: int
+    fallback_rows: int
+
+
+# GPU: 16 rows on one warp (docs/routing.md, "Shortlists").
+SHORTLIST_ROUTE_TILES = ShortlistRouteTiles(block_rows=16, num_warps=1, fallback_rows=2)
+SHORTLIST_ROUTE_INTERPRETER = ShortlistRouteTiles(block_rows=128, num_warps=1, fallback_rows=2)
+
+
+def shortlist_route_tiles(S: int, interpreting: bool = False, *, block_rows: int | None = None,
+                          num_warps: int | None = None) -> ShortlistRouteTiles:
+    """The shortlist route kernel's tiles for S tokens a head; the keywords override a
+    choice. block_rows (given or not) is cut to the power of two S needs."""
+    base = SHORTLIST_ROUTE_INTERPRETER if interpreting else SHORTLIST_ROUTE_TILES
+    rows = min(base.block_rows if block_rows is None else block_rows, _next_pow2(max(S, 1)))
+    return ShortlistRouteTiles(rows, base.num_warps if num_warps is None else num_warps,
+                               min(base.fallback_rows, rows))
+
+
+# The layout (kernels/layout.py).
+
+# Tokens a block of the layout's per-block expert counts ([H, cdiv(S, T), E]: 6 MB at
+# MAGI-2's S = 32768, where 8-token blocks would take 50 MB).
+LAYOUT_BLOCK_T = 64
+# The interpreter: blocks of this many route slots.
+LAYOUT_INTERPRETER_SLOTS = 1024
+# Routes a step of the ranking scatter (a lane of two warps each).
+LAYOUT_CHUNK = 64
+# Route slots a sub-block of the "count" count step: its pairwise rank tile is the square.
+LAYOUT_SUB_SLOTS = 64
+# Routes a step of the count-only kernel, at most.
+LAYOUT_HIST_MAX_ROUTES = 1024
+# Warps of the offsets, scatter and count-only kernels.
+LAYOUT_NUM_WARPS = 4
+
+
+@dataclass(frozen=True)
+class LayoutScanTiles:
+    """Tiles of the layout's scan (`_layout_scan_kernel`).
+
+    block_b:   blocks a step of a program's loop over a head's blocks (at most
+               next_pow2(NB)); 512 covers S = 32768 in one step, with its loads in flight
+               together rather than in dependent steps.
+    block_ec:  experts a program (at most next_pow2(E)).
+    num_warps: warps per program.
+    """
+
+    block_b: int = 512
+    block_ec: int = 8
+    num_warps: int = 4
+
+
+LAYOUT_SCAN_TILES = LayoutScanTiles()
+
+
+def layout_block_t(top_k: int, interpreting: bool = False) -> int:
+    """Tokens a block of the layout's counts (and of the counts the route kernels make for
+    it). A function of top_k alone, not of S, so that the routing op and the layout op
+    agree on it, and a compiled graph's fake shapes can compute it."""
+    if interpreting:
+        return max(1, LAYOUT_INTERPRETER_SLOTS // _next_pow2(top_k))
+    return LAYOUT_BLOCK_T
+
+
+def layout_chunk(block_t: int, top_k: int, interpreting: bool = False) -> int:
+    """Routes a step of the ranking scatter: LAYOUT_CHUNK, the whole block in the
+    interpreter."""
+    return _next_pow2(block_t * top_k) if interpreting else LAYOUT_CHUNK
+
+
+def layout_rank_scatter_warps(chunk: int) -> int:
+    """Warps of the ranking scatter: a lane a route of the step, one to four warps."""
+    return max(1, min(4, chunk // 32))
+
+
+def layout_sub_t(block_t: int, top_k: int, interpreting: bool = False) -> int:
+    """Tokens a sub-block of the "count" count step: LAYOUT_SUB_SLOTS route slots (the
+    whole block in the interpreter)."""
+    return block_t if interpreting else max(1, LAYOUT_SUB_SLOTS // _next_pow2(top_k))
+
+
+def layout_count_warps(block_t: int, sub_t: int) -> int:
+    """Warps of the "count" count step: 2 while it loops over sub-blocks (few registers,
+    many programs an SM to hide each sub-block's loads), 4 for a block taken whole."""
+    return 4 if sub_t == block_t else 2
+
+
+def layout_hist_block_r(block_t: int, top_k: int) -> int:
+    """Routes a step of the count-only kernel: a block's routes at once, up to
+    LAYOUT_HIST_MAX_ROUTES."""
+    return min(_next_pow2(block_t * top_k), LAYOUT_HIST_MAX_ROUTES)
+
+
+# The exact split of the router weight (`split_router_weight`): elements a program, warps.
+SPLIT_WEIGHT_BLOCK = 1024
+SPLIT_WEIGHT_WARPS = 4
+
+
+# The expert backward (kernels/expert_backward.py).
+
+# Bytes the panels of one launch group may take (see `expert_backward.py`): at
+# MAGI-2 dims and 32,768 tokens one head's panels are 1.86 GiB in bf16.
+PANEL_WORKSPACE_BYTES = 2 * 2**30
+
+
+@dataclass(frozen=True)
+class PanelGemmConfig:
+    """Tiles of the panel GEMM C[f] = A_f^T B_f (`_panel_dw_kernel`).
+
+    block_m, block_n: the [block_m, block_n] output tile of C[f] one program
+        owns (fp32 accumulator in registers).
+    block_k: panel rows per step of the reduction loop; at most the dx
+        kernel's block_m (the panel's row padding), which it must divide.
+    num_warps, num_stages: warps per program, pipelining depth of the loads.
+    tma: load the panel tiles with tensor descriptors where the shapes allow.
+    """
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    tma: bool = True
+
+    def __post_init__(self) -> None:
+        check_tiles(self, ("block_m", "block_n", "block_k"))
+
+
+def step_down_panel(cfg: PanelGemmConfig) -> PanelGemmConfig | None:
+    """The next panel config to try after `cfg` ran out of resources; None when none is left."""
+    if cfg.num_stages > 1:
+        return dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
+    if cfg.block_n > 16:
+        return dataclasses.replace(cfg, block_n=cfg.block_n // 2)
+    if cfg.block_m > 16:
+        return dataclasses.replace(cfg, block_m=cfg.block_m // 2)
+    return None
+
+
+@dataclass(frozen=True)
+class ExpertBackwardConfig:
+    """Tiles of the two backward kernels.
+
+    dx: the (expert, row block) kernel of dx and dprobs. block_m routes per
+        program, a [block_m, D] fp32 accumulator in registers, a loop over I
+        in slices of block_i (as the forward). tma: weight slices through
+        tensor descriptors where the shapes allow.
+    dw: the (expert, I slice) kernel of the weight gradients. block_i is the
+        width of the slice a program owns (three fp32 [D, block_i]
+        accumulators live in registers, so block_i * D bounds the warps
+        needed); block_m is the row block of its loop over the expert's
+        routes; tma is unused (the weight slices are loaded once).
+    panel: the panel GEMMs' tiles, or None for the recomputing dW kernel.
+    """
+
+    dx: ExpertForwardConfig
+    dw: ExpertForwardConfig
+    panel: PanelGemmConfig | None = None
+
+
+# Mean rows per expert (R / number of flat experts) -> tiles; the first row
+# whose bound is >= the mean wins. The dw kernel holds 3 * D * block_i fp32
+# accumulators: at D = 256, block_i = 32 that is 96 registers a thread over 8
+# warps. The dx kernel's panel stores need 8 KB more shared memory than the
+# forward's tiles, hence block_i = 16 with 3 stages (209 KB of the 227 KB) at
+# many rows per expert. The sweeps behind each choice: docs/expert-backward.md.
+SM90_PANEL = PanelGemmConfig(128, 256, 64, 8, 3)
+BACKWARD_SM90 = (
+    (40.0, ExpertBackwardConfig(dx=ExpertForwardConfig(64, 32, 4, 3),
+                                dw=ExpertForwardConfig(64, 32, 8, 2), panel=SM90_PANEL)),
+    (float("inf"), ExpertBackwardConfig(dx=ExpertForwardConfig(128, 16, 8, 3),
+                                        dw=ExpertForwardConfig(128, 32, 8, 1),
+                                        panel=SM90_PANEL)),
+)
+# float32 operands (fp32 weights, or mixed dtypes): twice the shared memory per
+# tile, so the bf16 rows above would not fit (dx 336 KB, dw 248 KB against 227 KB);
+# starting from tiles that fit saves the launch-time step-downs, each of which
+# recompiles a kernel.
+BACKWARD_SM90_FP32 = (
+    (float("inf"), ExpertBackwardConfig(dx=ExpertForwardConfig(64, 32, 4, 1),
+                                        dw=ExpertForwardConfig(32, 32, 8, 1),
+                                        panel=PanelGemmConfig(64, 64, 32, 4, 2))),
+)
+# Ampere/Ada and unknown CUDA GPUs: less shared memory, no wgmma.
+BACKWARD_GENERIC = (
+    (float("inf"), ExpertBackwardConfig(dx=ExpertForwardConfig(64, 32, 4, 2),
+                                        dw=ExpertForwardConfig(32, 32, 8, 1),
+                                        panel=PanelGemmConfig(64, 64, 32, 4, 2, tma=False))),
+)
+# The Triton interpreter (CPU tests): big tiles run fastest there.
+BACKWARD_INTERPRETER = (
+    (float("inf"), ExpertBackwardConfig(dx=ExpertForwardConfig(32, 32, 4, 1),
+                                        dw=ExpertForwardConfig(32, 32, 4, 1),
+                                        panel=PanelGemmConfig(32, 32, 32, 4, 1))),
+)
+BACKWARD_TABLES = {(9, 0): BACKWARD_SM90}
+
+
+def expert_backward_config(
+    device: torch.device, rows_per_expert: float, interpreting: bool = False,
+    fp32_operands: bool = False,
+) -> ExpertBackwardConfig:
+    """The default tiles for a problem of `rows_per_expert` mean routes per expert
+    (`fp32_operands`: the dots take float32 operands, see BACKWARD_SM90_FP32).
+
+    A config that does not fit the chip is shrunk at launch time
+    (`step_down` on OutOfResources), kernel by kernel.
+    """
+    if interpreting or device.type != "cuda":
+        table = BACKWARD_INTERPRETER
+    else:
+        arch = torch.cuda.get_device_capability(device)
+        table = BACKWARD_TABLES.get(arch, BACKWARD_GENERIC)
+        if fp32_operands and arch == (9, 0):
+            table = BACKWARD_SM90_FP32
+    return next(c for bound, c in table if rows_per_expert <= bound)

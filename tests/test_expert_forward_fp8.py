@@ -1,0 +1,144 @@
+"""The fp8 expert kernel (kernels/expert_forward_fp8.py) against its float64 twin
+(mhmoe.fp8.fp8_expert_reference), in the Triton interpreter."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from mhmoe.fp8 import (
+    ACT_BLOCK,
+    FP8,
+    fp8_expert_reference,
+    quantize_weights,
+)
+from mhmoe.kernels import expert_forward_fp8 as k8
+from mhmoe.kernels.tuning import Fp8ForwardConfig
+from mhmoe.reference import expert_forward_reference, sort_routes_reference
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="interpreter tests (the GPU ones are in test_gpu.py)")
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+def problem(S, H, E, K, D, I, seed):
+    """bf16 x, a sorted layout (every (token, head) routed to K distinct experts) and
+    bf16 Gaussian weights."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(S, H, D, generator=gen).bfloat16()
+    w = [torch.randn(H * E, D, I, generator=gen) * D**-0.5,
+         torch.randn(H * E, D, I, generator=gen) * D**-0.5,
+         torch.randn(H * E, I, D, generator=gen) * I**-0.5]
+    w = [t.bfloat16() for t in w]
+    idx = torch.argsort(torch.rand(H, S, E, generator=gen), dim=-1)[..., :K]
+    probs = torch.rand(H, S, K, generator=gen)
+    layout = sort_routes_reference(probs, idx, E)
+    return x, layout, w
+
+
+def run(x, layout, q, config, deterministic=False):
+    return k8.triton_expert_forward_fp8(
+        x, *layout, q.w_gate.transpose(1, 2), q.w_up.transpose(1, 2),
+        q.w_down.transpose(1, 2), q.gate_scale, q.up_scale, q.down_scale,
+        deterministic=deterministic, config=config)
+
+
+CONFIGS = {"weight-only": Fp8ForwardConfig(32, 32, 4, 1, act_fp8=False),
+           "fp8-act": Fp8ForwardConfig(32, ACT_BLOCK, 4, 1, act_fp8=True)}
+
+
+@pytest.mark.parametrize("mode", sorted(CONFIGS))
+@pytest.mark.parametrize("S,H,E,K,D,I,edge", [
+    (40, 2, 4, 2, 32, 128, "two row blocks per expert"),
+    (1, 1, 4, 1, 32, 64, "S=1, one head, K=1, empty experts"),
+    (24, 2, 3, 3, 16, 64, "K=E, the smallest D"),
+    (20, 1, 1, 1, 32, 192, "one expert, every token on it, I not a power of two"),
+])
+def test_kernel_equals_its_float64_twin(mode, S, H, E, K, D, I, edge):
+    x, layout, w = problem(S, H, E, K, D, I, seed=S + I)
+    q = quantize_weights(*w)
+    twin = fp8_expert_reference(x, *layout, q, act_fp8=CONFIGS[mode].act_fp8)
+    for deterministic in (False, True):
+        y = run(x, layout, q, CONFIGS[mode], deterministic)
+        assert y.dtype == torch.bfloat16 and y.shape == x.shape
+        # the kernel's result is rounded to bf16 (2^-9 relative) and its fp32
+        # accumulators may move a quantized activation by one e4m3 step now and then
+        assert rel_err(y, twin) < 4e-3, (mode, edge, deterministic)
+
+
+@pytest.mark.parametrize("mode", sorted(CONFIGS))
+def test_fp8_error_budget_against_the_bf16_layer(mode):
+    # contract: relative error <= 6.5e-2 against the float64 evaluation of the bf16 weights
+    x, layout, w = problem(64, 2, 4, 2, 64, 256, seed=3)
+    q = quantize_weights(*w)
+    y = run(x, layout, q, CONFIGS[mode])
+    full = expert_forward_reference(x.double(), *layout, *(t.double() for t in w))
+    err = rel_err(y, full)
+    cos = torch.nn.functional.cosine_similarity(y.double().flatten(), full.flatten(), dim=0)
+    assert err < 6.5e-2 and cos > 0.998, (err, cos)
+    assert err > 1e-2  # not vacuous: the fp8 rounding is there
+
+
+def test_deterministic_mode_is_bitwise_under_token_permutation():
+    S, H, E, K, D, I = 48, 2, 4, 2, 32, 64
+    x, layout, w = problem(S, H, E, K, D, I, seed=7)
+    q = quantize_weights(*w)
+    gather_ids, sorted_probs, offsets = layout
+    perm = torch.randperm(S, generator=torch.Generator().manual_seed(1))
+    inverse = torch.argsort(perm)
+    # the same routes with the tokens renumbered: x_p[j] = x[perm[j]], token t -> inverse[t];
+    # re-sorted by expert, then by new token id, as sort_routes would order them
+    new_ids = inverse[gather_ids.long()]
+    expert = torch.repeat_interleave(torch.arange(H * E), offsets.diff())
+    order = torch.argsort(expert * S + new_ids)
+    layout_p = (new_ids[order].int(), sorted_probs[order], offsets)
+    for config in CONFIGS.values():
+        y = run(x, layout, q, config, deterministic=True)
+        y_p = run(x[perm], layout_p, q, config, deterministic=True)
+        assert torch.equal(y_p, y[perm])
+
+
+def test_quantize_weights_per_output_channel():
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(6, 32, 48, generator=gen)
+    w[2, :, 5] = 0  # an all-zero channel quantizes to zeros, with a finite scale
+    q = quantize_weights(w, w, w.transpose(1, 2).contiguous())
+    assert q.w_gate.dtype == FP8 and q.gate_scale.shape == (6, 48)
+    assert q.down_scale.shape == (6, 32)
+    # K-major storage: W_gate is a view of a contiguous [F, I, D] tensor
+    assert q.w_gate.transpose(1, 2).is_contiguous()
+    deq = q.dequantized(torch.float64)[0]
+    # each channel's largest magnitude is exact (it maps to 448), the rest within
+    # half an e4m3 step (2^-4 relative) or the subnormal spacing
+    amax = w.abs().amax(dim=1)
+    assert torch.allclose(deq.abs().amax(dim=1), amax.double(), rtol=1e-6)
+    bound = torch.maximum(w.abs().double() * 2**-4, (amax / 448 * 2**-9).double().unsqueeze(1))
+    assert ((deq - w.double()).abs() <= bound + 1e-12).all()
+    assert (deq[2, :, 5] == 0).all() and torch.isfinite(q.gate_scale).all()
+
+
+@triton.jit
+def _cast_kernel(v_ptr, out_ptr, N: tl.constexpr):
+    o = tl.arange(0, N)
+    tl.store(out_ptr + o, k8._to_e4m3(tl.load(v_ptr + o), True))
+
+
+def test_interpreter_e4m3_rounding_is_torchs():
+    # nearest even with saturation, across normals, subnormals, ties and overflow
+    steps = torch.tensor([448.0, 460.0, 464.0, 1e6, 2.0**-9, 2.0**-10, 3 * 2.0**-11,
+                          2.0**-6, 0.0, 17.0, 18.0, 19.0, 0.0673, 1e-30, 2.0**-7 * 1.0625])
+    gen = torch.Generator().manual_seed(0)
+    values = torch.cat([steps, -steps, torch.randn(4096 - 2 * len(steps), generator=gen) * 30])
+    out = torch.empty(values.numel(), dtype=FP8)
+    _cast_kernel[(1,)](values, out, N=values.numel())
+    assert torch.equal(out.view(torch.uint8), values.to(FP8).view(torch.uint8))

@@ -1,0 +1,282 @@
+"""Audit of the compiled sm_90 code of the tensor-core kernels; no GPU needed.
+
+    python tools/sass_audit.py          # a table
+    python tools/sass_audit.py --json   # rows for scripts and tests
+
+(without TRITON_INTERPRET: the interpreter's kernels cannot be compiled).
+
+What it checks. A wgmma (an HGMMA instruction in SASS) may take its A operand
+from registers. PTX leaves it undefined to write those registers before a
+`wgmma.wait_group` has retired that wgmma. Triton 3.6 emitted exactly that in
+the router logits kernel: its pipelined loop loaded the next x tile into the
+registers of a wgmma still in flight. Calls then gave wrong logits now and
+then (docs/routing.md, "The race in the logits kernel, and the SASS audit").
+Neither Triton nor ptxas reported anything.
+
+How. Each kernel of `mhmoe.kernels.sm90_compile_cases()` is compiled with Triton
+for sm_90 at the tiles its launcher picks on an H100/H200 at MAGI-2's dims (so a
+GPU-only kernel that stops compiling fails here, and `make test` runs this). The
+PTX is assembled with the ptxas of the Triton wheel and disassembled with its
+cuobjdump. Then the SASS is walked
+(`register_a_hazards`):
+- HGMMAs join a commit group until the one marked `gsb0` closes it.
+- `WARPGROUP.DEPBAR.LE gsb0, N` retires all but the newest N groups.
+- Any instruction whose destination register holds the A operand of a group
+  not yet retired is a hazard.
+- A loop (a conditional branch backwards over an HGMMA) is walked twice, the
+  second time with the groups still pending at its end. A hazard across the
+  back-edge shows there.
+
+The destination is read as the first register operand of the instruction
+(vector loads and 64-bit ops cover 2-4 registers). Stores, branches, barriers,
+uniform-datapath and predicate-only instructions write no general register and
+are skipped. This is a heuristic reading of SASS, not a proof. It found the
+race above, and a kernel built to have the same pattern (`_canary_kernel`) is
+audited with the others: a checker that stopped seeing hazards would fail on
+it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+import triton.language as tl
+
+
+def toolchain() -> tuple[str, str]:
+    """Paths of the ptxas and cuobjdump shipped with Triton."""
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    tools = tuple(os.path.join(bin_dir, name) for name in ("ptxas", "cuobjdump"))
+    missing = [t for t in tools if not os.path.exists(t)]
+    if missing:
+        raise RuntimeError(f"sass_audit: not found in the Triton wheel: {', '.join(missing)}")
+    return tools
+
+
+def compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int,
+                 divisible: tuple[str, ...] = (), maxnreg: int | None = None,
+                 num_ctas: int = 1):
+    """Triton or Gluon kernel `fn` compiled here for sm_90 (no GPU needed): the compiled
+    kernel, whose .asm["ptx"] and .metadata.shared the callers read.
+
+    signature: argument name -> Triton type ("*bf16", "i32", "tensordesc<bf16[64, 32]>");
+    pointers and the `divisible` integers are marked 16-divisible, as the JIT marks the
+    launchers' aligned pointers and strides. maxnreg: the launch's register limit;
+    num_ctas: CTAs a cluster."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
+    from triton.runtime.jit import JITFunction
+
+    if not isinstance(fn, JITFunction):
+        raise RuntimeError("sass_audit: kernels are interpreted here (TRITON_INTERPRET=1); "
+                           "compile without it")
+    # Arguments left out take their defaults, as at a launch (ASTSource alone would not).
+    constexprs = {**{p.name: p.default for p in fn.params
+                     if p.has_default and p.name not in signature}, **constexprs}
+    sig = {**signature, **{k: "constexpr" for k in constexprs}}
+    attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]]
+             for k, t in sig.items() if t.startswith("*") or k in divisible}
+    source = GluonASTSource if isinstance(fn, GluonJITFunction) else triton.compiler.ASTSource
+    options = {"num_warps": num_warps, "num_stages": num_stages, "num_ctas": num_ctas}
+    if maxnreg is not None:
+        options["maxnreg"] = maxnreg
+    return triton.compile(source(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def compile_sass(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int,
+                 divisible: tuple[str, ...] = (), maxnreg: int | None = None) -> str:
+    """SASS (sm_90a) of kernel `fn`; arguments as `compile_sm90`."""
+    kernel = compile_sm90(fn, signature, constexprs, num_warps, num_stages, divisible,
+                          maxnreg)
+    ptxas, cuobjdump = toolchain()
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
+        with open(ptx, "w") as f:
+            f.write(kernel.asm["ptx"])
+        subprocess.run([ptxas, "-arch=sm_90a", ptx, "-o", cubin], check=True,
+                       capture_output=True, text=True)
+        return subprocess.run([cuobjdump, "-sass", cubin], check=True, capture_output=True,
+                              text=True).stdout
+
+
+_INSTR = re.compile(r"/\*([0-9a-f]+)\*/\s+(.*?)\s*;")
+_HGMMA_REG_A = re.compile(r"(?:@\S+\s+)?HGMMA\.\S+\s+R\d+,\s+R(\d+),")
+_ASYNC_WAIT = re.compile(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x[1-9a-f]")
+# Global atomics: fp32 pair adds with nothing returned, fp32 adds returning the old values,
+# and integer adds returning the old values (counters).
+_COMBINE_OPS = {"reductions": re.compile(r"REDG\.E\.ADD\.F32x2"),
+                "fp32_atomics": re.compile(r"ATOMG\.E\.ADD\.F32"),
+                "counts": re.compile(r"ATOMG\.E\.ADD\.STRONG")}
+
+
+def async_waits(sass: str) -> int:
+    """How many waits leave wgmma groups in flight (`WARPGROUP.DEPBAR.LE gsb0, N > 0`)."""
+    return len(_ASYNC_WAIT.findall(sass))
+
+
+def combine_ops(sass: str) -> dict:
+    """How many of each kind of global atomic add (`_COMBINE_OPS`) the SASS has."""
+    return {name: len(pattern.findall(sass)) for name, pattern in _COMBINE_OPS.items()}
+_BACK_BRANCH = re.compile(r"@!?U?P\w+\s+BRA\s+(0x[0-9a-f]+)")
+# Opcodes that write no general register (or whose first operand is not a destination).
+_NO_DEST = ("ST", "RED", "BAR", "BRA", "SYNCS", "UTMA", "WARPGROUP", "EXIT", "ISETP",
+            "FSETP", "DSETP", "HSETP", "PLOP3", "NOP", "CCTL", "MEMBAR", "FENCE", "ELECT",
+            "DEPBAR", "LDGDEPBAR", "VOTEU", "ERRBAR", "CALL", "RET", "YIELD", "ACQ", "WARPSYNC",
+            "BSYNC", "BSSY", "R2UR")
+
+
+def _parse(sass: str) -> list[tuple[int, str]]:
+    return [(int(m.group(1), 16), m.group(2)) for m in _INSTR.finditer(sass)]
+
+
+def _opcode_and_operands(ins: str) -> tuple[str, list[str]]:
+    parts = ins.replace(",", " ").split()
+    if parts and parts[0].startswith("@"):
+        parts = parts[1:]
+    return (parts[0], parts[1:]) if parts else ("", [])
+
+
+def _destinations(ins: str) -> set[int]:
+    op, operands = _opcode_and_operands(ins)
+    if not operands or op.startswith(_NO_DEST) or op.startswith("U"):
+        return set()
+    m = re.fullmatch(r"R(\d+)(\.\w+)*", operands[0])
+    if not m:
+        return set()
+    width = 1
+    if ".64" in op or "WIDE" in op or op.startswith(("DADD", "DMUL", "DFMA")):
+        width = 2
+    if ".128" in op or (op.startswith("LDSM") and op.endswith(".4")):
+        width = 4
+    elif op.startswith("LDSM") and op.endswith(".2"):
+        width = 2
+    first = int(m.group(1))
+    return set(range(first, first + width))
+
+
+def _step(state, addr, ins, hazards, where):
+    pending, open_group = state
+    op, operands = _opcode_and_operands(ins)
+    if op.startswith("HGMMA"):
+        m = _HGMMA_REG_A.match(ins)
+        if m:
+            open_group = open_group | set(range(int(m.group(1)), int(m.group(1)) + 4))
+        if "gsb0" in ins:
+            pending, open_group = [*pending, open_group], set()
+        return pending, open_group
+    if op.startswith("WARPGROUP.DEPBAR"):
+        keep = int(operands[-1], 16)
+        return (pending[len(pending) - keep:] if keep else []), open_group
+    live = set(open_group).union(*pending)
+    clash = live & _destinations(ins)
+    if clash:
+        hazards.append({"where": where, "addr": hex(addr), "instruction": ins,
+                        "registers": sorted(clash)})
+    return pending, open_group
+
+
+def register_a_hazards(sass: str) -> tuple[int, list[dict]]:
+    """(HGMMAs with a register A operand, hazards) of SASS text (see the module docstring)."""
+    prog = _parse(sass)
+    register_a = sum(1 for _, ins in prog if _HGMMA_REG_A.match(ins))
+    hazards: list[dict] = []
+    state = ([], set())
+    for addr, ins in prog:
+        state = _step(state, addr, ins, hazards, "straight line")
+    for addr, ins in prog:
+        m = _BACK_BRANCH.match(ins)
+        top = int(m.group(1), 16) if m else addr
+        body = [(a, i) for a, i in prog if top <= a <= addr]
+        if top >= addr or not any("HGMMA" in i for _, i in body):
+            continue
+        state = ([], set())
+        for lap in range(2):
+            for a, i in body:
+                state = _step(state, a, i, hazards if lap else [],
+                              f"loop {hex(top)}-{hex(addr)}, second lap")
+    seen: set[str] = set()  # an instruction found by both walks is reported once
+    return register_a, [h for h in hazards if not (h["addr"] in seen or seen.add(h["addr"]))]
+
+
+@triton.jit
+def _canary_kernel(x_desc, w_desc, out_ptr, D: tl.constexpr, BLOCK_S: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The pattern of the logits kernel's old race, kept as a self-check of the audit: an x tile
+    reshaped out of a 3D box (so Triton keeps it in registers) feeds two dots a step
+    of a 3-stage pipelined loop. Never launched."""
+    acc = tl.zeros([BLOCK_S, BLOCK_N], dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        xt = x_desc.load([0, 0, d0]).reshape(BLOCK_S, BLOCK_D)
+        acc = tl.dot(xt, w_desc.load([0, d0]).T, acc)
+        acc = tl.dot(xt, w_desc.load([BLOCK_N, d0]).T, acc)
+    rows = tl.arange(0, BLOCK_S)
+    cols = tl.arange(0, BLOCK_N)
+    tl.store(out_ptr + rows[:, None] * BLOCK_N + cols[None, :], acc)
+
+
+def _cases():
+    """The canary, then `mhmoe.kernels.sm90_compile_cases()`."""
+    from mhmoe.kernels import CompileCase, sm90_compile_cases
+
+    canary = CompileCase(
+        "canary (must show hazards)", _canary_kernel,
+        {"x_desc": "tensordesc<bf16[128, 1, 32]>", "w_desc": "tensordesc<bf16[128, 32]>",
+         "out_ptr": "*fp32"},
+        dict(D=256, BLOCK_S=128, BLOCK_N=128, BLOCK_D=32), 4, 3)
+    return [canary, *sm90_compile_cases()]
+
+
+def audit(progress=None) -> list[dict]:
+    """One row per kernel and tile: name, HGMMAs with a register A operand, hazards, and
+    the waits that leave wgmma groups in flight (`WARPGROUP.DEPBAR.LE gsb0, N > 0`: none
+    where ptxas serialised every wgmma, which it does when registers run short), and its
+    global atomic adds (`combine_ops`)."""
+    rows = []
+    for case in _cases():
+        if progress:
+            progress(case.name)
+        sass = compile_sass(case.kernel, case.signature, case.constexprs, case.num_warps,
+                            case.num_stages, case.divisible, case.maxnreg)
+        n_reg_a, hazards = register_a_hazards(sass)
+        rows.append({"kernel": case.name, "hgmma_register_a": n_reg_a, "hazards": hazards,
+                     "async_waits": async_waits(sass), **combine_ops(sass)})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", action="store_true", help="print the rows as JSON")
+    args = ap.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        ap.error("unset TRITON_INTERPRET: interpreted kernels cannot be compiled")
+
+    def progress(name):
+        print(f"compiling {name} ...", file=sys.stderr, flush=True)
+
+    rows = audit(progress)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        for r in rows:
+            verdict = f"{len(r['hazards'])} hazards" if r["hazards"] else "clean"
+            print(f"{r['kernel']:<58} register-A HGMMAs {r['hgmma_register_a']:>3}  {verdict}")
+            for h in r["hazards"][:4]:
+                print(f"    {h['where']}: {h['addr']} {h['instruction']}")
+    canary_ok = bool(rows[0]["hazards"])
+    shipped_ok = not any(r["hazards"] for r in rows[1:])
+    if not canary_ok:
+        print("the canary kernel shows no hazard: the checker no longer sees the pattern",
+              file=sys.stderr)
+    return 0 if canary_ok and shipped_ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
