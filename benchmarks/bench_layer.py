@@ -26,6 +26,7 @@ import mhmoe
 from mhmoe.bench import (
     append_results,
     bench_ms,
+    capture_graph,
     environment,
     measured_peaks,
     result_row,
@@ -48,21 +49,6 @@ def published_route_and_layout(x_heads, layer):
     counts = torch.bincount(flat, minlength=H * E)
     offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
     return order, probs.flatten()[order], offsets
-
-
-def graph_of(fn):
-    """A CUDA graph of fn() (after two warm-up calls on a side stream), and what the
-    captured call returned (its outputs live in the graph's memory)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = fn()
-    return graph, outs
 
 
 def magi2_layer(device: torch.device) -> mhmoe.MultiHeadMoE:
@@ -91,7 +77,7 @@ def measure(layer, S: int, device: torch.device) -> dict:
         row["route_layout_ms"] = bench_ms(lambda: layer.route_layout(xh))
         # From a CUDA graph: the kernels without the host's launch cost, whose jitter
         # dominates the eager number of these short kernels.
-        graph, _ = graph_of(lambda: layer.route_layout(xh))
+        graph, _ = capture_graph(lambda: layer.route_layout(xh))
         row["route_layout_graph_ms"] = bench_ms(graph.replay)
         del graph
         layout = layer.route_layout(xh)
@@ -108,12 +94,12 @@ def measure(layer, S: int, device: torch.device) -> dict:
             row[f"{tag}experts_ms"] = bench_ms(
                 lambda det=det: mhmoe.expert_forward(xh, *layout, *w, deterministic=det))
             row[f"{tag}layer_ms"] = bench_ms(lambda: layer(x))
-            graph, _ = graph_of(lambda: layer(x))
+            graph, _ = capture_graph(lambda: layer(x))
             row[f"{tag}layer_graph_ms"] = bench_ms(graph.replay)
             del graph
         row[f"{tag}layer_fwd_bwd_ms"] = bench_ms(fwd_bwd)
         try:
-            graph, _ = graph_of(fwd_bwd)
+            graph, _ = capture_graph(fwd_bwd)
         except RuntimeError as err:  # reported, and the column left empty
             print(f"S={S}: forward+backward cannot be captured in a CUDA graph: {err}",
                   file=sys.stderr)

@@ -5,6 +5,7 @@ scripts in benchmarks/ count FLOPs and time kernels the same way:
 
     time_fn(fn, device=...)          median of event-timed calls (any device)
     bench_ms(fn)                     triton.testing.do_bench's median (CUDA)
+    capture_graph(fn)                fn captured in a CUDA graph (side-stream warm-up)
     graph_ms(fn)                     fn captured once in a CUDA graph, replays timed
     interleaved([(name, fn), ...])   variants taking turns in shuffled rounds, for A/Bs
                                      under the H200's power cap (docs/measuring.md)
@@ -88,19 +89,26 @@ def bench_ms(fn: Callable[[], object], *, warmup: int = 25, rep: int = 100) -> f
     return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
-def graph_ms(fn: Callable[[], object], *, replays: int = 20, runs: int = 10) -> float:
-    """Median ms of one replay of `fn` captured in a CUDA graph (after warm-up calls on
-    a side stream, as capture needs). The launches cost nothing on the host here, so
-    this is the GPU time a model that replays graphs sees."""
+def capture_graph(fn: Callable[[], object], *, warmup: int = 3):
+    """`fn` captured in a CUDA graph, after `warmup` calls on a side stream (as capture
+    needs): (graph, what the captured call returned; it lives in the graph's memory)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for _ in range(3):
+        for _ in range(warmup):
             fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
+        outs = fn()
+    return graph, outs
+
+
+def graph_ms(fn: Callable[[], object], *, replays: int = 20, runs: int = 10) -> float:
+    """Median ms of one replay of `fn` captured in a CUDA graph (`capture_graph`). The
+    launches cost nothing on the host here, so this is the GPU time a model that replays
+    graphs sees."""
+    graph, _ = capture_graph(fn)
     graph.replay()
     torch.cuda.synchronize()
     times = []
