@@ -4,10 +4,10 @@
 
 For each token count: uniform random routes (top-6 of 256 per head), bf16 Gaussian
 weights and their fp8 quantization (mhmoe.fp8); the bf16 kernel and the fp8 kernel
-at its default tiles (`--weight-only`: also the weight-only multiply) timed in
-interleaved rounds (mhmoe.bench.interleaved), and each fp8 result's relative error
-against the bf16 kernel's and, on the first 64 experts, against the float64 twin of the
-quantized computation. The bf16 8192^3 matmul is measured in the same run.
+at its default tiles timed in interleaved rounds (mhmoe.bench.interleaved), and the
+fp8 result's relative error against the bf16 kernel's and, on the first 64 experts,
+against the float64 twin of the quantized computation. The bf16 8192^3 matmul is
+measured in the same run.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from mhmoe.bench import append_results, environment, interleaved, matmul_peak_tf
 from mhmoe.fp8 import fp8_expert_reference, quantize_weights
 from mhmoe.kernels.expert_forward import triton_expert_forward
 from mhmoe.kernels.expert_forward_fp8 import triton_expert_forward_fp8
-from mhmoe.kernels.tuning import Fp8ForwardConfig, fp8_forward_config
+from mhmoe.kernels.tuning import fp8_forward_config
 from mhmoe.reference import sort_routes_reference
 
 
@@ -34,8 +34,6 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="1024,32768")
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--weight-only", action="store_true",
-                    help="also time the weight-only multiply (64/32/4/4)")
     ap.add_argument("--no-record", action="store_true")
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -49,15 +47,13 @@ def main() -> int:
                 q.gate_scale, q.up_scale, q.down_scale)
     env = environment(dev)
     peak = matmul_peak_tflops(dev)
-    forced = {"weight-only": Fp8ForwardConfig(64, 32, 4, 4, act_fp8=False)} \
-        if args.weight_only else {}
     rows = []
     for S in [int(t) for t in args.tokens.split(",")]:
         x = torch.randn(S, H, D, device=dev, generator=gen).bfloat16()
         idx = torch.argsort(torch.rand(H, S, E, device=dev, generator=gen), dim=-1)[..., :K]
         probs = torch.rand(H, S, K, device=dev, generator=gen)
         layout = sort_routes_reference(probs, idx, E)
-        modes = {"default": fp8_forward_config(dev, S * K / E), **forced}
+        modes = {"default": fp8_forward_config(dev, S * K / E)}
         variants = [("bf16", lambda x=x, lay=layout: triton_expert_forward(x, *lay, *w))]
         variants += [(name, lambda c=c, x=x, lay=layout:
                       triton_expert_forward_fp8(x, *lay, *fp8_args, config=c))
@@ -76,7 +72,7 @@ def main() -> int:
             if name != "bf16":
                 c = modes[name]
                 y = triton_expert_forward_fp8(x, *layout, *fp8_args, config=c)
-                twin = fp8_expert_reference(x[:, :1], *sub, q_sub, act_fp8=c.act_fp8)
+                twin = fp8_expert_reference(x[:, :1], *sub, q_sub)
                 mine = triton_expert_forward_fp8(x[:, :1], *sub, *(t[:64] for t in fp8_args),
                                                  config=c)
                 extra.update(rel_err_vs_bf16_kernel=rel_err(y, bf16),
@@ -85,7 +81,7 @@ def main() -> int:
                   + "  ".join(f"{k} {v:.3e}" for k, v in extra.items() if k.startswith("rel")))
             tiles = "" if name == "bf16" else \
                 f" {modes[name].block_m}/{modes[name].block_i}/{modes[name].num_warps}/" \
-                f"{modes[name].num_stages}{'' if modes[name].act_fp8 else ' weight-only'}"
+                f"{modes[name].num_stages}"
             rows.append(result_row("experts_fwd", "bf16" if name == "bf16" else f"fp8{tiles}",
                                    S, ms, env=env, tflops=flops / ms / 1e9,
                                    command="PYTHONPATH=src python3 "

@@ -1,13 +1,18 @@
 """The whole MultiHeadMoE on one GPU: routing + layout + experts, forward and backward.
 
     PYTHONPATH=src python3 benchmarks/bench_layer.py [--tokens 1024,32768] [--no-record]
+        [--routing uniform,skewed,hot]
 
 For each token count: the published-style routing and layout (fp32 logits,
 sigmoid, bias, torch.topk, normalisation, argsort + bincount), our routing
 and layout (eager and replayed from a CUDA graph), the expert kernel alone,
 the whole layer forward (eager and from a CUDA graph) and forward+backward
 (`torch.autograd.grad` of x and the trainable parameters, eager and from a CUDA
-graph), in default and deterministic mode. The bf16 8192^3 matmul and a device
+graph), in default and deterministic mode, with the memory forward+backward takes
+beyond its inputs, the parameters and the gradients. `--routing` adds skewed routes
+(`skew_router`: a quarter of each head's experts take half of its routes; one hot
+expert per head takes every token of its head), timed for the layer forward and
+forward+backward (eager, default mode). The bf16 8192^3 matmul and a device
 copy are measured in the same run. Medians of `do_bench` (mhmoe.bench.bench_ms).
 Rows go to benchmarks/results.jsonl unless --no-record; --out also writes the
 run as one JSON file.
@@ -63,6 +68,83 @@ def magi2_layer(device: torch.device) -> mhmoe.MultiHeadMoE:
     return layer
 
 
+ROUTINGS = ("uniform", "skewed", "hot")
+
+
+def route_share(layer, x_heads: torch.Tensor, experts: torch.Tensor) -> float:
+    """Share of the routes of x_heads that go to `experts` (ids within a head)."""
+    with torch.no_grad():
+        indices = layer.route_heads(x_heads).indices
+    return torch.isin(indices, experts).float().mean().item()
+
+
+def skew_router(layer, routing: str, x_heads: torch.Tensor) -> float:
+    """Set the selection bias for `routing` (ROUTINGS) and return the share of routes the
+    favoured experts take on x_heads. The bias shifts selection only (contract section 3),
+    so the probabilities keep their form.
+
+    skewed: a fixed quarter of each head's experts get one bias b, found by bisection so
+    that they take half of the routes. hot: expert 0 of every head gets a bias of 1, which
+    sigmoid scores (in (0, 1)) can never overcome: it takes every token of its head.
+    """
+    cfg = layer.config
+    H, E = cfg.num_heads, cfg.num_experts
+    bias = layer.router.expert_bias_ema.view(H, E)
+    device = x_heads.device
+    with torch.no_grad():
+        bias.zero_()
+        if routing == "uniform":
+            return 1.0
+        if routing == "hot":
+            bias[:, 0] = 1.0
+            return route_share(layer, x_heads, torch.zeros(1, device=device, dtype=torch.long))
+        favoured = torch.randperm(E, generator=torch.Generator().manual_seed(0))[:E // 4]
+        favoured = favoured.to(device)
+        lo, hi = 0.0, 1.0
+        for _ in range(20):
+            bias[:, favoured] = (lo + hi) / 2
+            if route_share(layer, x_heads, favoured) < 0.5:
+                lo = (lo + hi) / 2
+            else:
+                hi = (lo + hi) / 2
+        bias[:, favoured] = hi
+        return route_share(layer, x_heads, favoured)
+
+
+def measure_skewed(layer, S: int, routing: str, device: torch.device) -> dict:
+    """The layer forward and forward+backward (eager, default mode) under `routing`."""
+    cfg = layer.config
+    gen = torch.Generator(device=device).manual_seed(S)
+    x = torch.randn(S, cfg.hidden_size, device=device, generator=gen).bfloat16()
+    dy = torch.randn(S, cfg.hidden_size, device=device, generator=gen).bfloat16()
+    saved = layer.router.expert_bias_ema.detach().clone()
+    share = skew_router(layer, routing, x.view(S, cfg.num_heads, cfg.head_dim))
+    params = [p for p in layer.parameters() if p.requires_grad]
+    xg = x.clone().requires_grad_(True)
+    try:
+        with torch.no_grad():
+            layer_ms = bench_ms(lambda: layer(x))
+        fwd_bwd_ms = bench_ms(lambda: torch.autograd.grad(layer(xg), [xg, *params], dy))
+    finally:
+        with torch.no_grad():
+            layer.router.expert_bias_ema.copy_(saved)
+    return {"tokens": S, "routing": routing, "favoured_share": share,
+            "layer_ms": layer_ms, "layer_fwd_bwd_ms": fwd_bwd_ms}
+
+
+def fwd_bwd_extra_bytes(fwd_bwd, grads_bytes: int, device: torch.device) -> int:
+    """Peak memory one forward+backward allocates beyond what was held before it and the
+    gradients it returns (`grads_bytes`): its workspaces and saved activations."""
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    grads = fwd_bwd()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    del grads
+    return peak - before - grads_bytes
+
+
 def measure(layer, S: int, device: torch.device) -> dict:
     """One token count: every time of the table, medians in ms."""
     cfg = layer.config
@@ -87,6 +169,7 @@ def measure(layer, S: int, device: torch.device) -> dict:
     def fwd_bwd():
         return torch.autograd.grad(layer(xg), [xg, *params], dy)
 
+    grads_bytes = sum(t.numel() * t.element_size() for t in (xg, *params))
     for det in (False, True):
         tag = "det_" if det else ""
         layer.config = cfg.replace(deterministic=det)
@@ -98,6 +181,7 @@ def measure(layer, S: int, device: torch.device) -> dict:
             row[f"{tag}layer_graph_ms"] = bench_ms(graph.replay)
             del graph
         row[f"{tag}layer_fwd_bwd_ms"] = bench_ms(fwd_bwd)
+        row[f"{tag}fwd_bwd_extra_gb"] = fwd_bwd_extra_bytes(fwd_bwd, grads_bytes, device) / 1e9
         try:
             graph, _ = capture_graph(fwd_bwd)
         except RuntimeError as err:  # reported, and the column left empty
@@ -136,11 +220,17 @@ ROWS = (
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default="1024,4096,16384,32768")
+    parser.add_argument("--routing", default="uniform",
+                        help=f"comma-separated routings of {ROUTINGS}: uniform gives the "
+                        "whole table, the others the layer forward and forward+backward")
     parser.add_argument("--out", default=None, help="also write the run as one JSON file")
     parser.add_argument("--no-record", action="store_true",
                         help="do not append rows to benchmarks/results.jsonl")
     args = parser.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
+    routings = args.routing.split(",")
+    if not set(routings) <= set(ROUTINGS):
+        parser.error(f"--routing: each of {ROUTINGS}, got {args.routing!r}")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)  # fail before the sweep
     device = torch.device("cuda")
@@ -148,10 +238,15 @@ def main() -> int:
     cfg = layer.config
     env = environment(device)
     peaks = measured_peaks(device)
-    rows = []
+    rows, skewed = [], []
     for S in tokens:
-        rows.append(measure(layer, S, device))
-        print(json.dumps(rows[-1]), flush=True)
+        if "uniform" in routings:
+            rows.append(measure(layer, S, device))
+            print(json.dumps(rows[-1]), flush=True)
+        for routing in routings:
+            if routing != "uniform":
+                skewed.append(measure_skewed(layer, S, routing, device))
+                print(json.dumps(skewed[-1]), flush=True)
     print(f"\nbf16 8192^3 matmul {peaks['matmul_tflops']:.0f} TFLOP/s, copy "
           f"{peaks['copy_tbs']:.2f} TB/s")
     cols = ("published_route_layout_ms", "route_layout_ms", "route_layout_graph_ms",
@@ -164,18 +259,40 @@ def main() -> int:
     for r in rows:
         print(f"{r['tokens']:>7} " + " ".join(f"{r[c]:>15.3f}" if r[c] is not None
                                              else f"{'-':>15}" for c in cols))
+        print(f"{'':>7} forward+backward beyond inputs, parameters and gradients: "
+              f"{r['fwd_bwd_extra_gb']:.2f} GB (deterministic {r['det_fwd_bwd_extra_gb']:.2f})")
+    uniform = {r["tokens"]: r for r in rows}
+    for r in skewed:
+        base = uniform.get(r["tokens"])
+        vs = (f" ({r['layer_ms'] / base['layer_ms']:.2f}x / "
+              f"{r['layer_fwd_bwd_ms'] / base['layer_fwd_bwd_ms']:.2f}x uniform)" if base else "")
+        print(f"{r['tokens']:>7} {r['routing']}: favoured experts take "
+              f"{100 * r['favoured_share']:.1f}% of the routes; layer {r['layer_ms']:.3f} ms, "
+              f"fwd+bwd {r['layer_fwd_bwd_ms']:.3f} ms{vs}")
     if not args.no_record:
-        command = f"PYTHONPATH=src python3 benchmarks/bench_layer.py --tokens {args.tokens}"
+        command = (f"PYTHONPATH=src python3 benchmarks/bench_layer.py --tokens {args.tokens}"
+                   f" --routing {args.routing}")
+
+        def tflops(tokens, ms, mult):
+            return None if mult is None else mult * cfg.expert_flops(tokens) / (ms * 1e-3) / 1e12
+
         results = [result_row(kernel, variant, r["tokens"], r[col], env=env,
-                              tflops=None if mult is None else
-                              mult * cfg.expert_flops(r["tokens"]) / (r[col] * 1e-3) / 1e12,
-                              command=command, **peaks)
+                              tflops=tflops(r["tokens"], r[col], mult), command=command,
+                              **({"extra_gb": r[f"{'det_' if 'deterministic' in variant else ''}"
+                                                f"fwd_bwd_extra_gb"]}
+                                 if kernel == "layer_fwd_bwd" else {}), **peaks)
                    for r in rows for col, kernel, variant, mult in ROWS if r[col] is not None]
+        results += [result_row(kernel, r["routing"], r["tokens"], r[col], env=env,
+                               tflops=tflops(r["tokens"], r[col], mult), command=command,
+                               favoured_share=r["favoured_share"], **peaks)
+                    for r in skewed for col, kernel, mult in
+                    (("layer_ms", "layer", 1), ("layer_fwd_bwd_ms", "layer_fwd_bwd", 3))]
         print(f"rows appended to {append_results(results)}")
     if args.out:
         Path(args.out).write_text(json.dumps({"environment": env,
                                               "config": json.loads(cfg.to_json()),
-                                              "peaks": peaks, "rows": rows}, indent=2) + "\n")
+                                              "peaks": peaks, "rows": rows,
+                                              "skewed": skewed}, indent=2) + "\n")
     return 0
 
 

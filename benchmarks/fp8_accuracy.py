@@ -18,9 +18,11 @@ dims of --head-dim and --intermediate), each quantized with `mhmoe.quantize(laye
 - `prenorm_stack`: the same with h = h + moe(rms_norm(h)), as MAGI-2's transformer
   blocks feed their MoE (a norm without weight, in fp32).
 - in both, `by_depth`: after layers 1, 2, 4, 8, ...: the relative error of h - x, fp8
-  against bf16 and bf16 against float32, and the share of (token, head) pairs whose
+  against bf16 and bf16 against float32, the share of (token, head) pairs whose
   set of experts differs between the fp8 and the bf16 stack at that layer (a route
-  that flips changes its output by a whole expert's share).
+  that flips changes its output by a whole expert's share), and `fp8_layer_rel_err`:
+  that layer of the fp8 stack against its bf16 layer on the same input (the fp8
+  stack's own), the per-layer error at that depth whatever the stacks' drift.
 
 On the CPU the fp8 layers run their float64 twin (`--backend torch`, the default
 there) or the Triton kernel in the interpreter (`--backend triton`, TRITON_INTERPRET=1,
@@ -54,26 +56,31 @@ def rms_norm(h: torch.Tensor) -> torch.Tensor:
     return (h32 * torch.rsqrt(h32.square().mean(-1, keepdim=True) + 1e-6)).to(h.dtype)
 
 
-def stack(layers, x: torch.Tensor, prenorm: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(h after the layer, the experts the layer picked) of every layer."""
+def stack(layers, x: torch.Tensor, prenorm: bool, twins=None) -> list[tuple]:
+    """(h after the layer, the experts the layer picked, and with `twins` the layer's
+    relative error against its twin on the same input) of every layer."""
     h, out = x, []
-    for layer in layers:
+    for i, layer in enumerate(layers):
         u = rms_norm(h) if prenorm else h
         _, indices = layer.route_heads(u.view(u.shape[0], layer.local_heads, -1))
-        h = h + layer(u)
-        out.append((h, indices.sort(dim=-1).values))
+        y = layer(u)
+        err = rel_err(y, twins[i](u)) if twins is not None else None
+        h = h + y
+        out.append((h, indices.sort(dim=-1).values, err))
     return out
 
 
 def compare(layers_bf16, layers_fp8, layers_fp32, x: torch.Tensor, prenorm: bool) -> dict:
-    s16, s8 = stack(layers_bf16, x, prenorm), stack(layers_fp8, x, prenorm)
+    s16 = stack(layers_bf16, x, prenorm)
+    s8 = stack(layers_fp8, x, prenorm, twins=layers_bf16)
     s32 = stack(layers_fp32, x.float(), prenorm)
     h16, h8, h32 = s16[-1][0], s8[-1][0], s32[-1][0]
     depths = sorted({min(2**i, len(s16)) for i in range(len(s16).bit_length() + 1)})
     by_depth = {
         d: {"fp8_vs_bf16_change_rel_err": rel_err(s8[d - 1][0] - x, s16[d - 1][0] - x),
             "bf16_vs_fp32_change_rel_err": rel_err(s16[d - 1][0] - x, s32[d - 1][0] - x),
-            "routes_changed": (s8[d - 1][1] != s16[d - 1][1]).any(-1).double().mean().item()}
+            "routes_changed": (s8[d - 1][1] != s16[d - 1][1]).any(-1).double().mean().item(),
+            "fp8_layer_rel_err": s8[d - 1][2]}
         for d in depths}
     return {"final_rel_err": rel_err(h8, h16), "final_cosine": cosine(h8, h16),
             "change_rel_err": rel_err(h8 - x, h16 - x),

@@ -117,14 +117,14 @@ def test_failed_save_keeps_previous_checkpoint(tmp_path, rng, monkeypatch):
     real_write = writer._write_safetensors
     calls = []
 
-    def crash_in_second_file(final, entries, metadata, advance):
+    def crash_in_second_file(final, entries, metadata, advance, stamp):
         calls.append(final)
         if len(calls) < 2:
-            return real_write(final, entries, metadata, advance)
+            return real_write(final, entries, metadata, advance, stamp)
 
         def advance_then_crash(n):
             raise OSError("disk full (simulated)")
-        return real_write(final, entries, metadata, advance_then_crash)
+        return real_write(final, entries, metadata, advance_then_crash, stamp)
 
     monkeypatch.setattr(writer, "_write_safetensors", crash_in_second_file)
     with pytest.raises(OSError, match="simulated"):
@@ -257,23 +257,32 @@ cfg = MultiHeadMoEConfig(hidden_size=32, num_heads=4, num_experts=4, top_k=2,
 real = writer._write_safetensors
 calls = []
 
-def write_then_hang(final, entries, metadata, advance):
+def write_then_hang(final, entries, metadata, advance, stamp):
     calls.append(final)
     if len(calls) == 3:  # two shards written under temporary names, the third started
         def hang(n):
             print("writing", flush=True)
             time.sleep(600)
-        return real(final, entries, metadata, hang)
-    return real(final, entries, metadata, advance)
+        return real(final, entries, metadata, hang, stamp)
+    return real(final, entries, metadata, advance, stamp)
 
 writer._write_safetensors = write_then_hang
 save_checkpoint(sys.argv[1], {2: MultiHeadMoE(cfg), 3: MultiHeadMoE(cfg)}, max_shard_bytes=4096)
 """
 
 
+_HOLD_LOCK = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o644)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("locked", flush=True)
+time.sleep(600)
+"""
+
+
 def test_next_save_removes_what_a_killed_save_left(tmp_path, rng):
-    # kill -9 in the middle of a save leaves the writer's hidden temporaries; the next
-    # save into the directory removes them, and only them.
+    # kill -9 in the middle of a save leaves the writer's hidden temporaries and its lock
+    # file; the next save into the directory removes them, and only them.
     import os
     import signal
     import subprocess
@@ -288,23 +297,61 @@ def test_next_save_removes_what_a_killed_save_left(tmp_path, rng):
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=60)
     left = _names(d)
-    assert len(left) == 3 and all(n.startswith(".") and n.endswith(".tmp") for n in left), left
-    # Files that are not the writer's temporaries of a dead process: another tool's
-    # temporary, names close to the pattern, and one of a process that still runs.
-    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    temps = [n for n in left if n.endswith(".tmp")]
+    assert len(temps) == 3 and all(n.startswith(".") for n in temps), left
+    stamp = re.fullmatch(r".*\.(\d+\.[0-9a-f]{8})\.tmp", temps[0])[1]
+    assert stamp.startswith(f"{proc.pid}.") and all(stamp in n for n in temps)
+    assert [n for n in left if n not in temps] == [f".mhmoe-save.{stamp}.lock"]
+    # Files that are not the writer's temporaries of a save that is gone: another tool's
+    # temporary, names close to the patterns, and the files of a save in progress in
+    # another process (it holds its lock).
+    live = f"{os.getpid() + 1}.0123abcd"
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK,
+                               str(d / f".mhmoe-save.{live}.lock")], stdout=subprocess.PIPE,
+                              text=True)
     try:
+        assert holder.stdout.readline().strip() == "locked"
         keep = [".model.safetensors.tmp", "model.safetensors.12345.0123abcd.tmp",
                 ".model.safetensors.12345.0123abcd.tmp.bak", ".notes.12345.0123abcd.tmp",
-                ".model.safetensors.12345.NOTHEXXX.tmp",
-                f".model-00001-of-00002.safetensors.{sleeper.pid}.0123abcd.tmp"]
+                ".model.safetensors.12345.NOTHEXXX.tmp", ".mhmoe-save.12345.lock",
+                ".mhmoe-save.12345.0123abcd.lock.bak",
+                f".model-00001-of-00002.safetensors.{live}.tmp"]
         for name in keep:
             (d / name).write_bytes(b"keep me")
         files = save_checkpoint(d, {2: ckpt_random_module(ckpt_tiny_config(), rng)})
     finally:
-        sleeper.kill()
-        sleeper.wait()
-    assert set(_names(d)) == {p.name for p in files} | set(keep)
+        holder.kill()
+        holder.wait()
+    assert set(_names(d)) == {p.name for p in files} | set(keep) | {f".mhmoe-save.{live}.lock"}
     assert all((d / name).read_bytes() == b"keep me" for name in keep)
+
+
+def test_a_killed_save_is_stale_whatever_its_pid(tmp_path, rng):
+    # In a container mhmoe may always run with the same PID, so a killed save's files
+    # carry the PID of the process saving now (or, on a shared filesystem, a PID that
+    # means nothing on this host): the save's lock decides, never the PID.
+    import os
+
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    dead = f"{os.getpid()}.0123abcd"
+    stale = [f".model.safetensors.{dead}.tmp", f".mhmoe-save.{dead}.lock",
+             f".model-00001-of-00002.safetensors.{dead}.tmp",
+             # no lock file at all: a save that is over (or an older writer's temporary)
+             f".model.safetensors.index.json.{os.getpid()}.89abcdef.tmp"]
+    for name in stale:
+        (d / name).write_bytes(b"left by a killed save")
+    module = ckpt_random_module(ckpt_tiny_config(), rng)
+    # A save in progress in this very process (same PID) holds its lock: its files stay.
+    with writer._save_lock(d) as live:
+        temp = f".model.safetensors.{live}.tmp"
+        (d / temp).write_bytes(b"being written")
+        files = save_checkpoint(d, {2: module})
+        assert set(_names(d)) == {p.name for p in files} | {temp, f".mhmoe-save.{live}.lock"}
+    # That save ended (its lock file with it) without renaming its temporary: now stale.
+    assert _names(d) == [temp, SINGLE_FILE]
+    save_checkpoint(d, {2: module}, overwrite=True)
+    assert _names(d) == [SINGLE_FILE]
 
 
 def test_progress_description_is_not_markup(tmp_path, rng, monkeypatch):

@@ -17,6 +17,12 @@ ENV = {**os.environ, "COLUMNS": "200", "PYTHONUNBUFFERED": "1"}
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 
+def _cuda():
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def mhmoe(*args, check=True, env=None):
     proc = subprocess.run([sys.executable, "-m", "mhmoe", *args], capture_output=True, text=True,
                           env=ENV if env is None else env, timeout=600)
@@ -279,7 +285,13 @@ def test_demo_config_for_a_checkpoint_without_metadata(tmp_path):
     config = tmp_path / "layer.json"
     config.write_text(MAGI2_PREVIEW.replace(num_experts=2, top_k=2).to_json())
     out = mhmoe(*run, "--config", str(config)).stdout
-    assert f"--config {config}" in out and "12 heads x 2 experts" in out and "(ok;" in out
+    assert f"--config {config}" in out and "12 heads x 2 experts" in out and "(ok:" in out
+    # quantize resolves the config the same way, hint included
+    one_error_line(mhmoe("quantize", str(ckpt), str(tmp_path / "q"), check=False),
+                   "no mhmoe metadata", "--config")
+    assert not (tmp_path / "q").exists()
+    assert "MoE layers [2]" in mhmoe("quantize", str(ckpt), str(tmp_path / "q"), "--config",
+                                     str(config)).stdout
     one_error_line(mhmoe(*run, "--config", "magi3", check=False), "neither a preset",
                    "magi2_preview")
     one_error_line(mhmoe(*run, "--config", str(tmp_path / "nope.json"), check=False),
@@ -335,6 +347,40 @@ def test_make_checkpoint_flags_are_checked(tmp_path):
     assert not (tmp_path / "c").exists()
 
 
+_DEEP_ERROR = """
+import sys
+import mhmoe.layer
+from mhmoe.cli import main
+
+def forward_heads(self, x_heads):
+    raise {error}("an invariant broke deep inside (simulated)")
+
+mhmoe.layer.MultiHeadMoE.forward_heads = forward_heads
+raise SystemExit(main(["demo", "--tokens", "4", "--experts", "2", "--runs", "1"]))
+"""
+
+
+@pytest.mark.parametrize("error", ["ValueError", "OSError"])
+def test_an_unexpected_error_is_a_bug_with_its_traceback(error):
+    # Every ValueError and OSError was reported as a usage error (exit 2, no traceback):
+    # a bug looked like the user's mistake. Only checked input is exit 2.
+    proc = subprocess.run([sys.executable, "-c", _DEEP_ERROR.format(error=error)],
+                          capture_output=True, text=True, env=ENV, timeout=300)
+    assert proc.returncode == 3, (proc.returncode, proc.stderr)
+    assert "Traceback" in proc.stderr and "in forward_heads" in proc.stderr, proc.stderr
+    assert f"internal error ({error}: an invariant broke deep inside (simulated))" \
+        in proc.stderr, proc.stderr
+
+
+def test_input_errors_are_still_one_line():
+    # A flag's value, a path, an unusable --backend: exit 2, one line, no traceback.
+    one_error_line(mhmoe("demo", "--seed", str(2 ** 64), check=False), "--seed", "2**62")
+    one_error_line(mhmoe("inspect", "/nonexistent/ckpt", check=False), "/nonexistent/ckpt")
+    no_interpreter = {k: v for k, v in ENV.items() if k != "TRITON_INTERPRET"}
+    one_error_line(mhmoe("demo", "--device", "cpu", "--backend", "triton", "--experts", "2",
+                         check=False, env=no_interpreter), "--backend", "cannot run on cpu")
+
+
 def test_unusable_devices_and_memory_are_one_line():
     one_error_line(mhmoe("demo", "--device", "foo", check=False), "--device", "foo")
     one_error_line(mhmoe("demo", "--device", "mps", check=False), "--device mps")
@@ -346,6 +392,12 @@ def test_demo_train_loss_falls():
     out = mhmoe("demo", "--train", "--steps", "12").stdout
     first, last = map(float, re.search(r"loss ([0-9.]+) -> ([0-9.]+)", out).groups())
     assert last < 0.8 * first and "ok" in out, out
+    # The step time, and its TFLOP/s as 3x the forward FLOPs of this layer and token count
+    # (12 heads, top-2 of 4 experts, D 256, I 256, 64 tokens: 2 * 3 * 64 * 12 * 2 * 256 * 256).
+    ms, tflops = map(float, re.search(r"step time ([0-9.]+) ms .* ([0-9.]+) TFLOP/s", out).groups())
+    assert ms > 0
+    assert tflops == pytest.approx(3 * 2 * 3 * 64 * 12 * 2 * 256 * 256 / (ms * 1e-3) / 1e12,
+                                   rel=2e-2, abs=2e-3)
 
 
 def test_bench_without_matplotlib_still_writes_json(tmp_path):
@@ -443,7 +495,9 @@ def test_quantize_writes_an_fp8_checkpoint_and_leaves_the_source(tmp_path):
     assert sorted(p.name for p in one.iterdir()) == ["model.safetensors"]
     out = mhmoe("demo", "--checkpoint", str(one), "--layer", "3", "--tokens", "16",
                 "--runs", "1").stdout
-    assert "float8_e4m3fn" in out and "float64 twin" in out and "(ok;" in out, out
+    # the PyTorch path is the float64 twin: checked against the formula instead
+    assert "float8_e4m3fn" in out and "the float64 twin of the fp8 kernel" in out, out
+    assert "vs float64 of the dequantized weights (ok: under 0.065;" in out, out
 
 
 def test_quantize_refuses_what_would_touch_the_source_or_another_model(tmp_path):
@@ -489,14 +543,24 @@ def test_inspect_checks_an_fp8_checkpoint_s_scales(tmp_path):
                          check=False), "W_up_scale")
 
 
-def test_demo_fp8_builds_a_stack_and_checks_it():
-    out = mhmoe("demo", "--fp8", "--experts", "2", "--layers", "2", "--tokens", "16",
-                "--runs", "1").stdout
+@pytest.mark.parametrize("backend", [
+    "torch", pytest.param("triton", marks=pytest.mark.skipif(
+        os.environ.get("TRITON_INTERPRET") != "1" and not _cuda(),
+        reason="the fp8 kernel: a GPU or the Triton interpreter"))])
+def test_demo_fp8_builds_a_stack_and_checks_it(backend):
+    out = mhmoe("demo", "--fp8", "--experts", "2", "--layers", "2", "--tokens", "24",
+                "--check-tokens", "8", "--runs", "1", "--backend", backend).stdout
     for field in ("device memory", "ms a pass", "ms a layer", "2 x (hidden 3072, 12 heads x 2 "
-                  "experts", "float64 twin", "parameters"):
+                  "experts", "parameters", "on 8 of the 24 tokens of layer 1"):
         assert field in out, out
     err = float(re.search(r"rel\. error\s*\S\s*([0-9.e+-]+)", out).group(1))
-    assert 1e-5 < err < 1e-2, out
+    if backend == "torch":  # the twin itself, against the formula on the dequantized weights
+        assert "the float64 twin of the fp8 kernel" in out, out
+        assert "vs float64 of the dequantized weights (ok: under 0.065;" in out, out
+        assert 1e-3 < err < 6.5e-2, out  # e4m3 activations: measured about 4e-2
+    else:  # the kernel, against its float64 twin
+        assert "the fp8 expert kernel" in out and "vs its float64 twin (ok: under 0.01;" in out
+        assert 1e-5 < err < 1e-2, out
 
 
 def test_demo_fp8_flag_combinations_are_refused():

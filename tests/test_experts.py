@@ -189,3 +189,24 @@ def test_triton_path_shape_and_device_errors(rng, monkeypatch):
         mhmoe.expert_forward(x, *layout, *weights, backend="triton")
     # "auto" on the CPU is the PyTorch path, whatever the shapes
     assert mhmoe.experts.resolve_backend("auto", "cpu") == "torch"
+
+
+def test_expert_forward_refuses_fp8_weights(rng):
+    # fp8 weights without their scales are not the weights (W = W_fp8 * scale): the bf16
+    # op used to run them as they were. The fp8 op keeps its own checks.
+    from mhmoe.fp8 import quantize_weights
+
+    x, probs, indices, weights = make_case(rng, 4, 2, 3, 2, 16, 64, dtype=torch.bfloat16)
+    layout = mhmoe.sort_routes(probs, indices, 3)
+    q = quantize_weights(*weights)
+    for backend in ("auto", "torch"):
+        with pytest.raises(ValueError, match="use expert_forward_fp8 with the scales"):
+            mhmoe.expert_forward(x, *layout, *q[:3], backend=backend)
+    e5m2 = [w.to(torch.float8_e5m2) for w in weights]
+    with pytest.raises(ValueError, match="use expert_forward_fp8 with the scales"):
+        mhmoe.expert_forward(x, *layout, *e5m2)
+    with pytest.raises(ValueError, match=r"expert_forward_fp8: the weights must be torch\.float8"):
+        mhmoe.expert_forward_fp8(x, *layout, *e5m2, *q[3:])
+    with pytest.raises(ValueError, match=r"expert_forward_fp8: w_down must be"):
+        mhmoe.expert_forward_fp8(x, *layout, *q[:2], q.w_gate, *q[3:])
+    assert mhmoe.expert_forward_fp8(x, *layout, *q, backend="torch").shape == x.shape

@@ -8,17 +8,23 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
 
 import mhmoe
+import mhmoe.experts as experts
 import mhmoe.fp8 as fp8
 import mhmoe.layer as layer_module
 from mhmoe import HeadPartition, MultiHeadMoE, MultiHeadMoEConfig
 from mhmoe.experts import expert_forward_fp8
-from mhmoe.fp8 import FP8, SCALE_NAMES, ZERO_SCALE, fp8_expert_reference, quantize_weights
-from mhmoe.reference import moe_reference_float64, sort_routes_reference
+from mhmoe.fp8 import FP8, SCALE_NAMES, ZERO_SCALE, is_k_major, quantize_weights
+from mhmoe.reference import (
+    expert_forward_reference,
+    moe_reference_float64,
+    sort_routes_reference,
+)
 
 INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 needs_interpreter = pytest.mark.skipif(not INTERPRETER, reason="the Triton interpreter (CPU)")
@@ -213,6 +219,48 @@ def test_casts_keep_an_fp8_layer_fp8():
     assert empty.W_up.transpose(1, 2).is_contiguous() and empty.W_up.dtype == FP8
 
 
+@pytest.mark.filterwarnings("ignore:Complex modules")
+@pytest.mark.parametrize("dtype", [FP8, torch.float8_e5m2, torch.complex64],
+                         ids=["e4m3", "e5m2", "a dtype the config refuses"])
+def test_a_cast_the_layer_cannot_hold_is_refused_and_changes_nothing(rng, dtype):
+    # A cast to e4m3 used to saturate the weights without scales and call the layer fp8;
+    # one to e5m2 (or complex) raised only after the experts had been cast.
+    layer = seeded(CFG, 8)
+    state = {name: value.clone() for name, value in layer.state_dict().items()}
+    x = torch.randn(9, CFG.hidden_size, generator=rng).bfloat16()
+    with torch.no_grad():
+        before = layer(x)
+    match = r"mhmoe\.quantize\(layer, 'fp8'\)" if dtype.itemsize == 1 else "cannot cast"
+    for cast in (lambda m: m.to(dtype), lambda m: m.to("cpu", dtype)):
+        with pytest.raises(ValueError, match=match):
+            cast(layer)
+    assert layer.config == CFG
+    assert set(layer.state_dict()) == set(state)  # no scales appeared
+    for name, value in layer.state_dict().items():
+        assert same(value, state[name]), name
+    with torch.no_grad():
+        assert torch.equal(layer(x), before)
+
+
+def test_assigned_fp8_weights_are_laid_out_k_major_once():
+    # load_state_dict(assign=True) takes tensors with their own strides: row-major fp8
+    # weights would be copied to the kernel's K-major layout on every forward. The layer
+    # lays them out once; K-major ones are taken as they are.
+    layer = seeded(CFG8, 7)
+    row_major = {k: (v.contiguous() if k in SCALE_NAMES else v)
+                 for k, v in layer.state_dict().items()}
+    assert not is_k_major(row_major["W_gate"])
+    new = MultiHeadMoE(CFG8, device="meta")
+    new.load_state_dict(row_major, assign=True)
+    for name in SCALE_NAMES:
+        param = getattr(new, name)
+        assert is_k_major(param) and same(param, row_major[name]), name
+        assert not param.requires_grad, name
+    taken = MultiHeadMoE(CFG8, device="meta")
+    taken.load_state_dict(layer.state_dict(), assign=True)
+    assert all(getattr(taken, n).data_ptr() == getattr(layer, n).data_ptr() for n in SCALE_NAMES)
+
+
 # ---------------------------------------------------------------------------------------
 # 2. forward: the fp8 op, its paths, inference only
 # ---------------------------------------------------------------------------------------
@@ -255,19 +303,78 @@ def test_fp8_op_shape_rule_and_paths():
     S, H, E, K, D, I = 12, 2, 3, 2, 32, 96  # I not a multiple of ACT_BLOCK (64)
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(S, H, D, generator=gen).bfloat16()
-    q = quantize_weights(torch.randn(H * E, D, I, generator=gen),
-                         torch.randn(H * E, D, I, generator=gen),
-                         torch.randn(H * E, I, D, generator=gen))
+    q = quantize_weights(torch.randn(H * E, D, I, generator=gen) * D**-0.5,
+                         torch.randn(H * E, D, I, generator=gen) * D**-0.5,
+                         torch.randn(H * E, I, D, generator=gen) * I**-0.5)
     idx = torch.argsort(torch.rand(H, S, E, generator=gen), dim=-1)[..., :K]
     layout = sort_routes_reference(torch.rand(H, S, K, generator=gen), idx, E)
     with pytest.raises(ValueError, match="multiple of 64 for the fp8 kernel"):
         expert_forward_fp8(x, *layout, *q, backend="triton")
-    # "auto" on the CPU is the torch path: the twin, cast to x's dtype (on CUDA such
-    # shapes warn and run it too)
+    # "auto" on the CPU is the torch path (on CUDA such shapes warn and run it too): the
+    # float64 twin cast to x's dtype. Against the float64 MLP of the dequantized weights
+    # (not the twin's code) what remains is the activations' e4m3 rounding: x per row, the
+    # SwiGLU7 output per row and 64 columns (here a block of 64 and a partial one of 32).
     y = expert_forward_fp8(x, *layout, *q, backend="auto")
-    twin = fp8_expert_reference(x, *layout, q, act_fp8=True)
-    assert torch.equal(y, twin.to(torch.bfloat16))
+    assert y.dtype == torch.bfloat16
+    gather_ids, sorted_probs, offsets = layout
+    exact = expert_forward_reference(x.double(), gather_ids, sorted_probs.double(), offsets,
+                                     *q.dequantized(torch.float64))
+    err = rel_err(y, exact)
+    assert 1e-2 < err < 6.5e-2, err  # the fp8 activations (measured 3.7e-2), nothing worse
     assert torch.equal(expert_forward_fp8(x, *layout, *q, backend="torch"), y)
+
+
+@pytest.mark.parametrize("capability,auto_path", [((8, 0), "torch"), ((8, 6), "torch"),
+                                                  ((8, 9), "triton"), ((9, 0), "triton")])
+def test_fp8_kernel_needs_sm89(monkeypatch, capability, auto_path):
+    # fp8 tensor cores came with sm_89: below it "auto" warns once and runs the twin,
+    # "triton" is an error. A CUDA device is only named here, its capability patched.
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(experts, "_warned", set())
+    cuda = torch.device("cuda")
+    args = ("expert_forward_fp8", experts.fp8_kernel_problem)
+    if auto_path == "triton":
+        assert experts.fp8_kernel_problem(cuda, 256, 1280) is None
+        assert experts._pick_path("auto", cuda, 256, 1280, *args) == "triton"
+        assert experts._pick_path("triton", cuda, 256, 1280, *args) == "triton"
+        return
+    sm = f"sm_{capability[0]}{capability[1]}"
+    with pytest.warns(UserWarning, match=rf"sm_89 or later\); cuda is {sm}.*PyTorch path"):
+        assert experts._pick_path("auto", cuda, 256, 1280, *args) == "torch"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once
+        assert experts._pick_path("auto", cuda, 256, 1280, *args) == "torch"
+    with pytest.raises(ValueError, match=rf"fp8: .*sm_89 or later\); cuda is {sm}"):
+        experts._pick_path("triton", cuda, 256, 1280, *args)
+    # the bf16 kernel has no such rule, and the CPU (interpreter) none either
+    assert experts._pick_path("auto", cuda, 256, 1280) == "triton"
+    assert experts.fp8_kernel_problem(torch.device("cpu"), 256, 1280) is None
+
+
+@needs_interpreter
+def test_fp8_op_warns_once_for_weights_not_k_major(monkeypatch):
+    monkeypatch.setattr(experts, "_warned", set())
+    S, H, E, D, I = 6, 1, 2, 16, 64
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(S, H, D, generator=gen).bfloat16()
+    q = quantize_weights(torch.randn(E, D, I, generator=gen), torch.randn(E, D, I, generator=gen),
+                         torch.randn(E, I, D, generator=gen))
+    layout = sort_routes_reference(torch.rand(H, S, 1, generator=gen),
+                                   torch.randint(0, E, (H, S, 1), generator=gen), E)
+    row_major = [w.contiguous() for w in q[:3]]
+    assert not any(is_k_major(w) for w in row_major)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # K-major: no copy, no warning
+        y = expert_forward_fp8(x, *layout, *q, backend="triton")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        y_row = expert_forward_fp8(x, *layout, *row_major, *q[3:], backend="triton")
+    assert sorted(str(w.message).split()[1] for w in caught) == ["w_down", "w_gate", "w_up"]
+    assert all("not stored K-major" in str(w.message) for w in caught)
+    assert torch.equal(y_row, y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once
+        expert_forward_fp8(x, *layout, *row_major, *q[3:], backend="triton")
 
 
 def test_fp8_op_checks_its_inputs():
@@ -352,20 +459,30 @@ def test_fp8_layer_error_against_the_float64_bf16_layer(backend):
     assert err > 1e-2  # not vacuous: the fp8 rounding is there
 
 
+def rms_norm(h: torch.Tensor) -> torch.Tensor:
+    h32 = h.float()
+    return (h32 * torch.rsqrt(h32.square().mean(-1, keepdim=True) + 1e-6)).to(h.dtype)
+
+
 def test_fp8_residual_stack_against_the_bf16_stack():
-    # x + moe(x), 8 layers, fp8 against the same stack in bf16. Random layers amplify
-    # any change from layer to layer (they grow h about 1.9x a layer and flip routes),
-    # so the bound is loose; the first layer's error and the trend are what docs/fp8.md
-    # records (benchmarks/fp8_accuracy.py).
+    # h = h + moe(rms_norm(h)), 8 layers, as MAGI-2's blocks feed their MoE: at every
+    # depth, the fp8 layer against its bf16 layer on the same input (the fp8 stack's own,
+    # which drifts from the bf16 stack's), within the budget and not vacuous. The stacks'
+    # distance itself is not bounded: past the first layer it measures how random layers
+    # amplify any change (flipped routes; the bf16 stack drifts from float32 the same
+    # way: docs/fp8.md). Without the norm, h grows about 2x a layer and the per-layer
+    # error with it (g and u pass SwiGLU7's clamps, whose breakpoints do not scale:
+    # docs/fp8.md), so the budget is for inputs of the layer's own scale.
     layers = [seeded(ACC, 20 + i) for i in range(8)]
     quantized = [mhmoe.quantize(layer, "fp8") for layer in layers]
     x = torch.randn(64, ACC.hidden_size, generator=torch.Generator().manual_seed(0)).bfloat16()
-    errors = []
+    per_layer = []
     with torch.no_grad():
-        h16, h8 = x, x
+        h8 = x
         for b, q in zip(layers, quantized, strict=True):
-            h16, h8 = h16 + b(h16), h8 + q(h8)
-            errors.append(rel_err(h8 - x, h16 - x))
-    assert errors[0] < 6.5e-2
-    assert all(e < 2.0 for e in errors) and torch.isfinite(h8).all()
-    assert cosine(h8, h16) > 0  # the same direction, if not the same values
+            u = rms_norm(h8)
+            y8 = q(u)
+            per_layer.append(rel_err(y8, b(u)))  # the first: the stacks' distance too
+            h8 = h8 + y8
+    # measured 5.7e-2 to 5.8e-2 at every depth
+    assert all(1e-2 < e < 6.5e-2 for e in per_layer), per_layer

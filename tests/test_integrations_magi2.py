@@ -284,6 +284,25 @@ def test_replaced_parameters_and_group_are_rebound(rng):
     assert rel_diff(module(x), own_forward(module)(x)) <= TOL[torch.float32]
 
 
+def test_a_replaced_config_is_seen_even_at_a_reused_address(rng):
+    # The layer is bound to the module's config object. The first replacement frees that
+    # object, and the second may be allocated at its address (CPython reuses freed blocks;
+    # of many candidates, the one that landed there is taken when there is one): the
+    # module must run the newest config, not the layer built from the freed one.
+    module = random_standin(magi2_config(), rng)
+    x = torch.randn(6, 48, generator=rng)
+    magi2.accelerate(module)
+    module(x)
+    bound = id(module.config)
+    module.config = dataclasses.replace(module.config, route_scale=1.5)  # nothing else holds either
+    candidates = [dataclasses.replace(module.config, route_scale=1.0 + i / 1024)
+                  for i in range(1024)]
+    module.config = next((c for c in candidates if id(c) == bound), candidates[-1])
+    del candidates
+    assert magi2.accelerated_layer(module).config.route_scale == module.config.route_scale
+    assert rel_diff(module(x), own_forward(module)(x)) <= TOL[torch.float32]
+
+
 # ----------------------------------------------------------------------------------------
 # The environment variables
 # ----------------------------------------------------------------------------------------
@@ -344,7 +363,7 @@ def test_deterministic_env_takes_the_deterministic_kernel(rng, monkeypatch):
 def test_loader_hooks_still_slice_rows_after_accelerate(rng):
     # 4 heads of 3 experts on 3 ranks pad to 6 heads, 2 per rank: rank 1 owns heads 2-3,
     # rank 2 only padding (zeros). group None: modules that hold a rank's rows, as a loader
-    # builds them; they cannot run forward.
+    # builds them; they cannot run a sequence-parallel forward.
     cfg = magi2_config(heads=4, experts=3)
     full = random_standin(cfg, rng)
     for rank in range(3):
@@ -357,8 +376,21 @@ def test_loader_hooks_still_slice_rows_after_accelerate(rng):
             assert torch.equal(param.mmap_weight_transform(whole), expected), (rank, name)
             local = torch.randn(param.shape, generator=rng)
             assert param.mmap_weight_transform(local) is local  # local rows: as they are
-        with pytest.raises(ValueError, match="no process group"):
+        with pytest.raises(ValueError, match="without a process group"):
             module(torch.zeros(2, 32))
+
+
+def test_a_replicated_rank_runs_without_a_process_group(rng):
+    # Replicated input needs no communication: a rank's module with group None runs its
+    # own heads (rank 1 of 2: heads 3-5 of 6), as the stand-in's own forward does.
+    full = random_standin(magi2_config(), rng)
+    module = rank_module(full, Magi2EPGroup(2, 1, None, True))
+    x = torch.randn(5, 3 * 8, generator=rng)
+    cotangent = torch.randn(5, 3 * 8, generator=rng)
+    want = forward_backward(module, x, cotangent)
+    magi2.accelerate(module)
+    diffs = compare(forward_backward(module, x, cotangent), want)
+    assert max(diffs.values()) <= TOL[torch.float32], diffs
 
 
 def _bf16_router(module):
@@ -386,6 +418,12 @@ def _bad_group(module):
     module.ep_group = object()
 
 
+def _fp8_experts(module):
+    # published fp8 weights carry no per-row scales: mhmoe's fp8 experts cannot take them
+    for name in ("W_gate", "W_up", "W_down"):
+        getattr(module, name).data = getattr(module, name).data.to(torch.float8_e4m3fn)
+
+
 @pytest.mark.parametrize("mutate, match", [
     (lambda m: setattr(m, "config", dataclasses.replace(m.config, score_func="tanh")),
      "score_func"),
@@ -395,6 +433,7 @@ def _bad_group(module):
     (_plain_tensor, "not an nn.Parameter"),
     (_mixed_experts, "differ in dtype"),
     (_bad_group, "lacks the published members"),
+    (_fp8_experts, "1-byte"),
 ])
 def test_errors_name_the_module_and_change_nothing(rng, mutate, match):
     cfg = magi2_config()

@@ -349,3 +349,39 @@ def test_casts_keep_the_router_in_fp32_and_the_repr_true(rng, cast):
     layer.float()
     assert set(_dtypes(layer).values()) == {torch.float32}
     assert layer.config.params_dtype == torch.float32
+
+
+def test_replicated_input_needs_no_process_group(rng):
+    # Rank 1 of 2 over SMALL's 3 heads (head 2, and a padding head), built from a
+    # partition without a group: replicated input runs (it needs no communication) and
+    # gives the one-rank layer's head 2; a sequence-parallel forward still needs a group.
+    E, D = SMALL.num_experts, SMALL.head_dim
+    full = MultiHeadMoE(SMALL)
+    randomize(full, rng)
+    p = HeadPartition(num_heads=3, world_size=2, rank=1)
+    layer = MultiHeadMoE(SMALL, partition=p, input_mode="replicated")
+    with torch.no_grad():
+        for name, param in layer.named_parameters():
+            param[:E].copy_(full.get_parameter(name)[2 * E:3 * E])  # local head 0 = head 2
+    x = torch.randn(5, SMALL.hidden_size, generator=rng)
+    x_local = torch.cat([x[:, 2 * D:], torch.randn(5, D, generator=rng)], dim=1)
+    with torch.no_grad():
+        y = layer(x_local)
+        want = full(x)[:, 2 * D:]
+    assert y.shape == x_local.shape
+    torch.testing.assert_close(y[:, :D], want, rtol=1e-6, atol=1e-6)
+    assert not y[:, D:].any()  # the padding head
+    sequence = MultiHeadMoE(SMALL, partition=p)
+    with pytest.raises(ValueError, match="pass group="):
+        sequence(x)
+
+
+def test_replicated_input_refuses_token_counts(rng):
+    # token_counts feeds the sequence mode's all-to-all; replicated input has none to feed,
+    # and silently ignoring the argument would hide a wrong call
+    for p in (None, HeadPartition(num_heads=3, world_size=2, rank=0)):
+        layer = MultiHeadMoE(SMALL, partition=p, input_mode="replicated")
+        x = torch.randn(4, layer.local_heads * SMALL.head_dim, generator=rng)
+        with pytest.raises(ValueError, match="token_counts is for input_mode 'sequence'"):
+            layer(x, token_counts=[4] * layer.partition.world_size)
+        assert layer(x).shape == x.shape

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -80,7 +81,7 @@ class MultiHeadMoEConfig:
         # The routing fields: RouterOptions' own checks, in one place.
         self.router_options.check(self.num_experts, op="MultiHeadMoEConfig")
 
-    @property
+    @functools.cached_property
     def router_options(self) -> RouterOptions:
         """The routing fields as the one `RouterOptions` the routing functions take."""
         return RouterOptions(self.top_k, self.score_func, self.route_norm, self.norm_eps,

@@ -21,7 +21,15 @@ import warnings
 import torch
 
 from .backends import resolve_backend as _resolve
-from .fp8 import ACT_BLOCK, FP8, INFERENCE_ONLY, Fp8Weights, fp8_expert_reference
+from .fp8 import (
+    ACT_BLOCK,
+    FP8,
+    INFERENCE_ONLY,
+    Fp8Weights,
+    fp8_expert_reference,
+    is_k_major,
+    k_major,
+)
 from .reference import expert_backward_reference, expert_forward_reference, swiglu7_reference
 
 
@@ -30,91 +38,116 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
     return _resolve(backend, device, op="expert_forward")
 
 
-def kernel_shape_problem(x_heads: torch.Tensor, w_gate: torch.Tensor) -> str | None:
+def kernel_shape_problem(device: torch.device, D: int, I: int) -> str | None:
     """Why the fused kernel cannot take these shapes, or None if it can."""
-    D, I = w_gate.shape[1], w_gate.shape[2]
     if D % 16 or I % 16:
         return f"D={D} and I={I} must be multiples of 16 for the fused kernel"
+    return None
+
+
+# fp8 tensor cores (the e4m3 wgmma / mma) first came with Ada (sm_89).
+FP8_MIN_CAPABILITY = (8, 9)
+
+
+def fp8_kernel_problem(device: torch.device, D: int, I: int) -> str | None:
+    """Why the fp8 kernel cannot run these shapes on `device`, or None if it can: it
+    holds a row's D values in one tile (a power of two), walks I in blocks of
+    ACT_BLOCK, and multiplies on fp8 tensor cores (a CUDA device of sm_89 or later)."""
+    if D < 16 or D & (D - 1) or I % ACT_BLOCK:
+        return (f"D={D} must be a power of two >= 16 and I={I} a multiple of {ACT_BLOCK} for "
+                f"the fp8 kernel")
+    if device.type == "cuda":
+        capability = torch.cuda.get_device_capability(device)
+        if tuple(capability) < FP8_MIN_CAPABILITY:
+            return (f"the fp8 kernel needs fp8 tensor cores (sm_89 or later); {device} is "
+                    f"sm_{capability[0]}{capability[1]}")
     return None
 
 
 _warned: set[str] = set()
 
 
-def fp8_kernel_shape_problem(x_heads: torch.Tensor, w_gate: torch.Tensor) -> str | None:
-    """Why the fp8 kernel cannot take these shapes, or None if it can: it holds a row's
-    D values in one tile (a power of two) and walks I in blocks of ACT_BLOCK."""
-    D, I = w_gate.shape[1], w_gate.shape[2]
-    if D < 16 or D & (D - 1) or I % ACT_BLOCK:
-        return (f"D={D} must be a power of two >= 16 and I={I} a multiple of {ACT_BLOCK} for "
-                f"the fp8 kernel")
-    return None
+def _warn_once(message: str, stacklevel: int = 3) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, stacklevel=stacklevel + 1)
 
 
-def _pick_path(backend: str, x_heads: torch.Tensor, w_gate: torch.Tensor,
-               op: str = "expert_forward", shape_problem=kernel_shape_problem) -> str:
-    """The path one call takes: resolve_backend, plus the kernel's shape rule.
+def _pick_path(backend: str, device: torch.device, D: int, I: int, op: str = "expert_forward",
+               problem=kernel_shape_problem) -> str:
+    """The path one call takes: resolve_backend, plus the kernel's rule (`problem`, of
+    the device and the shapes).
 
-    An explicit "triton" with shapes the kernel cannot take is an error; under
-    "auto" such shapes run the PyTorch path and say so once in a warning.
+    An explicit "triton" where the kernel cannot run is an error; under "auto" the
+    PyTorch path runs instead and says so once in a warning.
     """
-    path = _resolve(backend, x_heads.device, op=op)
+    path = _resolve(backend, device, op=op)
     if path != "triton":
         return path
-    problem = shape_problem(x_heads, w_gate)
-    if problem is None:
+    why = problem(device, D, I)
+    if why is None:
         return path
     if backend == "triton":
-        raise ValueError(f"{op}: {problem}")
-    if problem not in _warned:
-        _warned.add(problem)
-        warnings.warn(f"{op}: {problem}; these shapes run the PyTorch path", stacklevel=3)
+        raise ValueError(f"{op}: {why}")
+    _warn_once(f"{op}: {why}; the PyTorch path runs instead")
     return "torch"
 
 
-def check_expert_inputs(x_heads, gather_ids, sorted_probs, offsets, w_gate, w_up, w_down) -> None:
-    """Shape, dtype and device checks of `expert_forward`; reads nothing back from the device."""
+def _check_layout_and_weights(op, x_heads, gather_ids, sorted_probs, offsets, w_gate, w_up,
+                              w_down) -> None:
+    """The checks `expert_forward` and `expert_forward_fp8` share (shapes, dtypes,
+    devices of x, the layout and the weights); `op` names the caller in the errors."""
     if x_heads.dim() != 3:
-        raise ValueError(f"expert_forward: x_heads must be [S, H, D], got {tuple(x_heads.shape)}")
+        raise ValueError(f"{op}: x_heads must be [S, H, D], got {tuple(x_heads.shape)}")
     _, H, D = x_heads.shape
     if w_gate.dim() != 3 or w_up.shape != w_gate.shape:
-        raise ValueError(f"expert_forward: w_gate and w_up must both be [H*E, D, I], got "
+        raise ValueError(f"{op}: w_gate and w_up must both be [H*E, D, I], got "
                          f"{tuple(w_gate.shape)} and {tuple(w_up.shape)}")
     F, Dw, I = w_gate.shape
     if Dw != D:
-        raise ValueError(f"expert_forward: w_gate is [{F}, {Dw}, {I}] but x_heads has D={D}")
+        raise ValueError(f"{op}: w_gate is [{F}, {Dw}, {I}] but x_heads has D={D}")
     if H == 0 or F % H:
-        raise ValueError(f"expert_forward: {F} flat experts do not split over H={H} heads")
+        raise ValueError(f"{op}: {F} flat experts do not split over H={H} heads")
     if tuple(w_down.shape) != (F, I, D):
-        raise ValueError(f"expert_forward: w_down must be [{F}, {I}, {D}], got "
-                         f"{tuple(w_down.shape)}")
+        raise ValueError(f"{op}: w_down must be [{F}, {I}, {D}], got {tuple(w_down.shape)}")
     if tuple(offsets.shape) != (F + 1,):
-        raise ValueError(f"expert_forward: offsets must be [{F + 1}], got {tuple(offsets.shape)}")
+        raise ValueError(f"{op}: offsets must be [{F + 1}], got {tuple(offsets.shape)}")
     if gather_ids.dim() != 1 or sorted_probs.shape != gather_ids.shape:
-        raise ValueError(f"expert_forward: gather_ids and sorted_probs must both be [R], got "
+        raise ValueError(f"{op}: gather_ids and sorted_probs must both be [R], got "
                          f"{tuple(gather_ids.shape)} and {tuple(sorted_probs.shape)}")
     for name, t in (("gather_ids", gather_ids), ("offsets", offsets)):
         if t.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"expert_forward: {name} must be int32 or int64, got {t.dtype}")
+            raise ValueError(f"{op}: {name} must be int32 or int64, got {t.dtype}")
     for name, t in (("x_heads", x_heads), ("sorted_probs", sorted_probs), ("w_gate", w_gate),
                     ("w_up", w_up), ("w_down", w_down)):
         if not t.dtype.is_floating_point:
-            raise ValueError(f"expert_forward: {name} must be floating point, got {t.dtype}")
+            raise ValueError(f"{op}: {name} must be floating point, got {t.dtype}")
     if not (w_gate.dtype == w_up.dtype == w_down.dtype):
-        raise ValueError(f"expert_forward: weight dtypes differ: {w_gate.dtype}, {w_up.dtype}, "
+        raise ValueError(f"{op}: weight dtypes differ: {w_gate.dtype}, {w_up.dtype}, "
                          f"{w_down.dtype}")
     devices = {t.device for t in (x_heads, gather_ids, sorted_probs, offsets, w_gate, w_up,
                                   w_down)}
     if len(devices) != 1:
-        raise ValueError(f"expert_forward: inputs are on several devices: "
-                         f"{sorted(map(str, devices))}")
+        raise ValueError(f"{op}: inputs are on several devices: {sorted(map(str, devices))}")
+
+
+def check_expert_inputs(x_heads, gather_ids, sorted_probs, offsets, w_gate, w_up, w_down) -> None:
+    """Shape, dtype and device checks of `expert_forward`; reads nothing back from the device.
+    Weights of one byte (fp8) are refused: without their scales they are not the weights."""
+    _check_layout_and_weights("expert_forward", x_heads, gather_ids, sorted_probs, offsets,
+                              w_gate, w_up, w_down)
+    if w_gate.dtype.itemsize == 1:
+        raise ValueError(f"expert_forward: {w_gate.dtype} weights are quantized (W = W_fp8 * "
+                         f"scale): use expert_forward_fp8 with the scales")
 
 
 def check_fp8_expert_inputs(x_heads, gather_ids, sorted_probs, offsets, w_gate, w_up, w_down,
                             gate_scale, up_scale, down_scale) -> None:
-    """`check_expert_inputs`, plus: e4m3 weights and their fp32 scales
-    ([F, I], [F, I], [F, D]) on the same device; reads nothing back from the device."""
-    check_expert_inputs(x_heads, gather_ids, sorted_probs, offsets, w_gate, w_up, w_down)
+    """The checks of `expert_forward_fp8`: those `expert_forward` shares, then e4m3 weights
+    and their fp32 scales ([F, I], [F, I], [F, D]) on the same device; reads nothing back
+    from the device."""
+    _check_layout_and_weights("expert_forward_fp8", x_heads, gather_ids, sorted_probs, offsets,
+                              w_gate, w_up, w_down)
     if w_gate.dtype != FP8:
         raise ValueError(f"expert_forward_fp8: the weights must be {FP8}, got {w_gate.dtype}")
     F, D, I = w_gate.shape
@@ -138,7 +171,7 @@ def _expert_forward_op(x_heads: torch.Tensor, gather_ids: torch.Tensor,
                        sorted_probs: torch.Tensor, offsets: torch.Tensor, w_gate: torch.Tensor,
                        w_up: torch.Tensor, w_down: torch.Tensor, deterministic: bool,
                        backend: str) -> torch.Tensor:
-    if _pick_path(backend, x_heads, w_gate) == "triton":
+    if _pick_path(backend, x_heads.device, *w_gate.shape[1:]) == "triton":
         from .kernels.expert_forward import triton_expert_forward
 
         return triton_expert_forward(x_heads, gather_ids, sorted_probs, offsets, w_gate, w_up,
@@ -160,7 +193,7 @@ def _expert_backward_op(grad_y: torch.Tensor, x_heads: torch.Tensor, gather_ids:
                         w_up: torch.Tensor, w_down: torch.Tensor, deterministic: bool,
                         backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                torch.Tensor, torch.Tensor]:
-    if _pick_path(backend, x_heads, w_gate) == "triton":
+    if _pick_path(backend, x_heads.device, *w_gate.shape[1:]) == "triton":
         from .kernels.expert_backward import triton_expert_backward
 
         return triton_expert_backward(grad_y, x_heads, gather_ids, sorted_probs, offsets, w_gate,
@@ -204,25 +237,27 @@ def _expert_forward_fp8_op(x_heads: torch.Tensor, gather_ids: torch.Tensor,
                            gate_scale: torch.Tensor, up_scale: torch.Tensor,
                            down_scale: torch.Tensor, deterministic: bool,
                            backend: str) -> torch.Tensor:
-    if _pick_path(backend, x_heads, w_gate, "expert_forward_fp8",
-                  fp8_kernel_shape_problem) == "triton":
+    if _pick_path(backend, x_heads.device, *w_gate.shape[1:], "expert_forward_fp8",
+                  fp8_kernel_problem) == "triton":
         from .kernels.expert_forward_fp8 import triton_expert_forward_fp8
 
-        # The kernel reads the weights K-major: no copy for the layer's parameters.
+        weights = []
+        for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
+            if not is_k_major(w):
+                # A copy of the whole weight, every call (about 1 GB per weight of a MAGI-2
+                # layer): the layer's parameters never need it (see MultiHeadMoE).
+                _warn_once(f"expert_forward_fp8: {name} is not stored K-major (the layout of "
+                           f"fp8.quantize_weights and the layer's parameters); it is copied "
+                           f"to it on every call: lay it out once with fp8.k_major")
+            weights.append(k_major(w).transpose(1, 2))
         return triton_expert_forward_fp8(
-            x_heads, gather_ids, sorted_probs, offsets, w_gate.transpose(1, 2).contiguous(),
-            w_up.transpose(1, 2).contiguous(), w_down.transpose(1, 2).contiguous(),
-            gate_scale.contiguous(), up_scale.contiguous(), down_scale.contiguous(),
-            deterministic=deterministic)
-    # The float64 twin, with the multiply the kernel's tile table picks for this shape;
-    # it adds in a fixed order (deterministic by construction).
-    from .kernels.tuning import fp8_forward_config, interpreting
-
-    config = fp8_forward_config(x_heads.device, gather_ids.numel() / max(1, w_gate.shape[0]),
-                                interpreting())
+            x_heads, gather_ids, sorted_probs, offsets, *weights, gate_scale.contiguous(),
+            up_scale.contiguous(), down_scale.contiguous(), deterministic=deterministic)
+    # The float64 twin of the kernel's quantization; it adds in a fixed order
+    # (deterministic by construction).
     weights = Fp8Weights(w_gate, w_up, w_down, gate_scale, up_scale, down_scale)
-    return fp8_expert_reference(x_heads, gather_ids, sorted_probs, offsets, weights,
-                                act_fp8=config.act_fp8).to(x_heads.dtype)
+    return fp8_expert_reference(x_heads, gather_ids, sorted_probs, offsets,
+                                weights).to(x_heads.dtype)
 
 
 @_expert_forward_fp8_op.register_fake
@@ -294,7 +329,8 @@ def expert_forward(
     "triton". The fused kernel reads nothing back to the host (CUDA-graph
     capturable); the PyTorch path reads `offsets` on the host once per call.
     D and I must be multiples of 16 for the fused kernel: "triton" raises
-    otherwise, "auto" warns once and runs the PyTorch path.
+    otherwise, "auto" warns once and runs the PyTorch path. One-byte (fp8) weights
+    are refused: `expert_forward_fp8` takes them with their scales.
     """
     resolve_backend(backend, x_heads.device)
     check_expert_inputs(x_heads, gather_ids, sorted_probs, offsets, w_gate, w_up, w_down)
@@ -323,17 +359,18 @@ def expert_forward_fp8(
     (W = W_fp8 * scale); gate_scale, up_scale: [H*E, I] float32; down_scale: [H*E, D]
     float32. Returns y_heads [S, H, D] in x_heads' dtype.
 
-    The weights are read K-major (`fp8.quantize_weights`' layout, which the layer's
-    parameters have); weights in another layout are copied to it on every call.
+    The kernel reads the weights K-major (`fp8.quantize_weights`' layout, which the
+    layer's parameters have); weights in another layout are copied to it on every call,
+    with a warning the first time (`fp8.k_major` lays them out once).
 
     backend: "triton": the fused kernel (kernels/expert_forward_fp8.py), x and the
-    SwiGLU7 output quantized on the fly with dynamic per-row (per-block) scales where
-    its tile table runs the fp8 tensor cores; CUDA, or the interpreter on the CPU.
-    "torch": the kernel's twin `fp8.fp8_expert_reference`, the same quantization in
-    float64 math, cast to x's dtype: slow, for the CPU and tests. "auto": the kernel
-    on CUDA, the twin elsewhere. The kernel needs D a power of two >= 16 and I a
-    multiple of `fp8.ACT_BLOCK`: "triton" raises otherwise, "auto" warns once and
-    runs the twin.
+    SwiGLU7 output quantized on the fly with dynamic per-row (per-block) scales, on
+    fp8 tensor cores; CUDA, or the interpreter on the CPU. "torch": the kernel's twin
+    `fp8.fp8_expert_reference`, the same quantization in float64 math, cast to x's
+    dtype: slow, for the CPU and tests. "auto": the kernel on CUDA, the twin elsewhere.
+    The kernel needs D a power of two >= 16, I a multiple of `fp8.ACT_BLOCK` and, on
+    CUDA, a GPU of sm_89 or later (`fp8_kernel_problem`): "triton" raises otherwise,
+    "auto" warns once and runs the twin.
     deterministic: as `expert_forward`'s (the twin always is).
 
     Inference only: raises if grad mode is on and x_heads or sorted_probs requires

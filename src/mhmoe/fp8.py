@@ -5,12 +5,10 @@ The scheme (docs/contract.md section 10; why this granularity: docs/fp8.md):
 - weights: `torch.float8_e4m3fn` with one fp32 scale per expert output channel,
   `W = W_fp8 * scale`: W_gate and W_up [F, D, I] with scales [F, I] (over D),
   W_down [F, I, D] with scales [F, D] (over I); scale = max(amax, AMAX_FLOOR) / 448.
-- activations, where the fp8 tensor cores run (`act_fp8`): x per route row
+- activations (every product runs on the fp8 tensor cores): x per route row
   (scale over its D values), the SwiGLU7 output per route row and per block of
   ACT_BLOCK consecutive columns of I; dynamic scales from the values themselves
-  (amax / 448), applied to the fp32 accumulators. Without `act_fp8` (few routes
-  per expert, where weight bytes bound the kernel) the weights are widened to
-  bf16 and x and the SwiGLU7 output stay bf16, as in the bf16 layer.
+  (amax / 448), applied to the fp32 accumulators.
 - everything else as in the bf16 layer: fp32 router on the unquantized x, fp32
   accumulation, SwiGLU7 on the fp32 accumulators, fp32 combine.
 
@@ -19,10 +17,11 @@ kernel's oracle, and the PyTorch path of `experts.expert_forward_fp8`.
 
 A layer holds fp8 experts when its `params_dtype` is `FP8` (`MultiHeadMoE` builds one
 directly, `quantize(layer, "fp8")` makes one from a bf16 layer): W_gate, W_up and
-W_down as e4m3 parameters in the K-major layout of `quantize_weights`, beside them the
-fp32 scales `W_gate_scale` [F, I], `W_up_scale` [F, I] and `W_down_scale` [F, D]; in a
-checkpoint `NAME_scale` beside `NAME`, the scheme (`SCHEME`) in the metadata.
-Inference only: fp8 weights have no gradients.
+W_down as e4m3 parameters stored K-major (`empty_k_major`, `k_major`: the layout the
+kernel reads without a copy), beside them the fp32 scales `W_gate_scale` [F, I],
+`W_up_scale` [F, I] and `W_down_scale` [F, D]; in a checkpoint `NAME_scale` beside
+`NAME`, the scheme (`SCHEME`) in the metadata. Inference only: fp8 weights have no
+gradients.
 """
 
 from __future__ import annotations
@@ -92,11 +91,30 @@ def row_chunks(rows: int, row_elements: int, chunk_elements: int = CHUNK_ELEMENT
     return [(r, min(rows, r + step)) for r in range(0, rows, step)]
 
 
+def is_k_major(w: torch.Tensor) -> bool:
+    """Whether w [F, K, N] is stored K-major (a transposed view of a contiguous
+    [F, N, K] tensor), the layout the fp8 kernel reads without a copy."""
+    return w.transpose(1, 2).is_contiguous()
+
+
+def k_major(w: torch.Tensor) -> torch.Tensor:
+    """w [F, K, N] stored K-major: w itself if it is, else a K-major copy (same shape
+    and values)."""
+    return w if is_k_major(w) else w.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def empty_k_major(shape: tuple[int, int, int], device: torch.device | str | None = None) \
+        -> torch.Tensor:
+    """An uninitialised e4m3 tensor of `shape` [F, K, N], stored K-major."""
+    F, K, N = shape
+    return torch.empty(F, N, K, dtype=FP8, device=device).transpose(1, 2)
+
+
 def quantize_into(values: torch.Tensor, out: torch.Tensor, scales: torch.Tensor) -> None:
     """Per-output-channel e4m3 of `values` [F, K, N] (any float dtype) written into
     `out` (e4m3 [F, K, N], any strides: the layer's K-major views) and `scales`
-    (fp32 [F, N]), a chunk of experts at a time, on their device. The same values as
-    `quantize_weights` (every expert is quantized on its own)."""
+    (fp32 [F, N]), a chunk of experts at a time, on their device (every expert is
+    quantized on its own)."""
     for begin, end in row_chunks(values.shape[0], values[0].numel() if len(values) else 1):
         piece = values[begin:end]
         s = row_scales(piece, 1)
@@ -106,30 +124,31 @@ def quantize_into(values: torch.Tensor, out: torch.Tensor, scales: torch.Tensor)
 
 def quantize_weights(w_gate: torch.Tensor, w_up: torch.Tensor,
                      w_down: torch.Tensor) -> Fp8Weights:
-    """Per-output-channel e4m3 of the expert weights (any float dtype, any device).
+    """Per-output-channel e4m3 of the expert weights (any float dtype, any device):
+    `quantize_into` K-major outputs.
 
-    w_gate, w_up: [F, D, I]; w_down: [F, I, D]. The fp8 tensors are returned
-    contiguous in the K-major layout the kernel reads (W_gate/W_up as [F, I, D],
-    W_down as [F, D, I] in memory) and viewed back to the shapes given.
+    w_gate, w_up: [F, D, I]; w_down: [F, I, D]. The fp8 tensors have the shapes given,
+    stored K-major (`empty_k_major`: W_gate/W_up as [F, I, D], W_down as [F, D, I] in
+    memory), the layout the kernel reads.
     """
-    gate_scale, up_scale = row_scales(w_gate, 1), row_scales(w_up, 1)
-    down_scale = row_scales(w_down, 1)
-    wg = to_fp8(w_gate, gate_scale, 1).transpose(1, 2).contiguous().transpose(1, 2)
-    wu = to_fp8(w_up, up_scale, 1).transpose(1, 2).contiguous().transpose(1, 2)
-    wd = to_fp8(w_down, down_scale, 1).transpose(1, 2).contiguous().transpose(1, 2)
-    return Fp8Weights(wg, wu, wd, gate_scale, up_scale, down_scale)
+    out = []
+    for w in (w_gate, w_up, w_down):
+        q = empty_k_major(tuple(w.shape), w.device)
+        scale = torch.empty(w.shape[0], w.shape[2], dtype=torch.float32, device=w.device)
+        quantize_into(w, q, scale)
+        out.append((q, scale))
+    (wg, sg), (wu, su), (wd, sd) = out
+    return Fp8Weights(wg, wu, wd, sg, su, sd)
 
 
 def fp8_expert_reference(x_heads: torch.Tensor, gather_ids: torch.Tensor,
                          sorted_probs: torch.Tensor, offsets: torch.Tensor,
-                         weights: Fp8Weights, *, act_fp8: bool,
-                         act_block: int = ACT_BLOCK) -> torch.Tensor:
+                         weights: Fp8Weights, *, act_block: int = ACT_BLOCK) -> torch.Tensor:
     """The fp8 expert computation with float64 math (the kernel's twin).
 
     x_heads: [S, H, D]; the layout as `expert_forward`'s. Returns float64 [S, H, D].
-    act_fp8: quantize x per row and the SwiGLU7 output per row and per `act_block`
-    columns, as the fp8 tensor-core path does; else x and the SwiGLU7 output are
-    rounded to bf16, as the weight-only path does. Reads `offsets` on the host.
+    x is quantized per row, the SwiGLU7 output per row and per `act_block` columns,
+    as the kernel does. Reads `offsets` on the host.
     """
     S, H, D = x_heads.shape
     F, _, I = weights.w_gate.shape
@@ -146,21 +165,15 @@ def fp8_expert_reference(x_heads: torch.Tensor, gather_ids: torch.Tensor,
         wg, wu, wd = wg[0], wu[0], wd[0]
         tokens = gather_ids[lo:hi].long()
         x = x_heads[tokens, h].to(torch.float32)
-        if act_fp8:
-            s_x = row_scales(x, 1)
-            x = to_fp8(x, s_x, 1).to(torch.float64) * s_x.to(torch.float64)[:, None]
-        else:
-            x = x.to(torch.bfloat16).to(torch.float64)
+        s_x = row_scales(x, 1)
+        x = to_fp8(x, s_x, 1).to(torch.float64) * s_x.to(torch.float64)[:, None]
         a = swiglu7_reference(x @ wg, x @ wu)
-        if act_fp8:
-            out = torch.zeros(hi - lo, D, dtype=torch.float64, device=x.device)
-            for i0 in range(0, I, act_block):
-                piece = a[:, i0:i0 + act_block].to(torch.float32)
-                s_a = row_scales(piece, 1)
-                q = to_fp8(piece, s_a, 1).to(torch.float64)
-                out += (q @ wd[i0:i0 + act_block]) * s_a.to(torch.float64)[:, None]
-        else:
-            out = a.to(torch.bfloat16).to(torch.float64) @ wd
+        out = torch.zeros(hi - lo, D, dtype=torch.float64, device=x.device)
+        for i0 in range(0, I, act_block):
+            piece = a[:, i0:i0 + act_block].to(torch.float32)
+            s_a = row_scales(piece, 1)
+            q = to_fp8(piece, s_a, 1).to(torch.float64)
+            out += (q @ wd[i0:i0 + act_block]) * s_a.to(torch.float64)[:, None]
         y[tokens, h] += out * sorted_probs[lo:hi].to(torch.float64)[:, None]
     return y
 

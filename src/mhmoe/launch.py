@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -168,8 +170,13 @@ def launch_local(nproc: int, args: Sequence[str], *, cpu_threads: int | None = N
         sets it.
     Returns the exit status of the run: 0 if every process exited 0, else that of the
     process that failed first (a negative number for a signal).
+
+    A signal to this process stops the processes first (the launcher does that), then:
+    SIGINT (Ctrl-C) raises KeyboardInterrupt, as it would without the launcher; SIGTERM,
+    SIGHUP or SIGQUIT raises SystemExit(128 + the signal's number), a shell's status of
+    a process a signal ended.
     """
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -187,14 +194,36 @@ def launch_local(nproc: int, args: Sequence[str], *, cpu_threads: int | None = N
     levels = [logger.level for logger in quiet]
     for logger in quiet:
         logger.setLevel(logging.CRITICAL)
+    handlers = _signal_handlers()
     try:
         elastic_launch(config, sys.executable)("-u", *args)
     except ChildFailedError as failed:
         _, first = failed.get_first_failure()
         return first.exitcode
+    except SignalException as e:
+        # The launcher turns the signals it handles into this Exception (SIGINT too,
+        # which would otherwise be a KeyboardInterrupt), once it has stopped the processes.
+        if e.sigval == signal.SIGINT:
+            raise KeyboardInterrupt from None
+        raise SystemExit(128 + int(e.sigval)) from None
     finally:
+        # The launcher's handlers stay installed after it returns: a later Ctrl-C would
+        # raise its exception again, anywhere.
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
         for logger, level in zip(quiet, levels, strict=True):
             logger.setLevel(level)
         if saved_env is None:
             os.environ.pop("OMP_NUM_THREADS", None)
     return 0
+
+
+def _signal_handlers() -> dict[signal.Signals, object]:
+    """The handlers of the signals torch's launcher takes over (in the main thread only:
+    TORCHELASTIC_SIGNALS_TO_HANDLE, by default SIGTERM, SIGINT, SIGHUP and SIGQUIT)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    names = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
+    signals = [getattr(signal, name.strip(), None) for name in names.split(",")]
+    return {sig: signal.getsignal(sig) for sig in signals
+            if isinstance(sig, signal.Signals) and signal.getsignal(sig) is not None}

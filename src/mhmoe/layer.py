@@ -13,7 +13,15 @@ from torch import nn
 from .backends import BACKENDS
 from .config import BIAS_SOURCES, MultiHeadMoEConfig
 from .experts import expert_forward, expert_forward_fp8
-from .fp8 import FP8, INFERENCE_ONLY, SCALE_NAMES, quantize_into, row_chunks
+from .fp8 import (
+    INFERENCE_ONLY,
+    SCALE_NAMES,
+    empty_k_major,
+    is_k_major,
+    k_major,
+    quantize_into,
+    row_chunks,
+)
 from .parallel import HeadPartition, dispatch, gather_token_counts, undispatch
 from .routing import RouteLayout, Routes, TokenRoutes, route_tokens, sort_routes
 
@@ -117,7 +125,9 @@ class MultiHeadMoE(nn.Module):
     the published module (float64 for a float64 layer, for gradient checks). Casts
     (`.half()`, `.to(torch.float16)`, `.double()`, ...) follow the same rule: they
     change the expert weights and `config.params_dtype`, and leave the router in
-    float32.
+    float32. A cast to a one-byte (fp8) dtype, or to one the config refuses, raises
+    before anything changes: fp8 weights need scales, which `mhmoe.quantize(layer,
+    "fp8")` makes.
 
     fp8 experts (params_dtype `torch.float8_e4m3fn`, mhmoe.fp8; inference only):
     W_gate, W_up, W_down are e4m3 (stored K-major, as the fp8 kernel reads them),
@@ -125,7 +135,8 @@ class MultiHeadMoE(nn.Module):
       W_gate_scale, W_up_scale [local_flat, I], W_down_scale [local_flat, D] float32
     No parameter is trainable, forward refuses to record a graph (an input that
     requires grad under grad mode), and casts leave every dtype as it is (they move
-    the layer only). `mhmoe.quantize(layer, "fp8")` makes one from a bf16 layer.
+    the layer only). `load_state_dict(..., assign=True)` lays weights of other strides
+    out K-major once. `mhmoe.quantize(layer, "fp8")` makes one from a bf16 layer.
 
     backend: "auto" | "torch" | "triton" for every op; fused_router: `fused` of
     `routing.route_tokens` (None: router logits on tensor cores by the Triton logits
@@ -205,7 +216,7 @@ class MultiHeadMoE(nn.Module):
         parameters are transposed views, as `fp8.quantize_weights` lays them out) and
         their fp32 per-output-channel scales."""
         for name, (k, n) in (("W_gate", (D, I)), ("W_up", (D, I)), ("W_down", (I, D))):
-            weight = torch.empty(rows, n, k, dtype=FP8, device=device).transpose(1, 2)
+            weight = empty_k_major((rows, k, n), device)
             setattr(self, name, nn.Parameter(weight, requires_grad=False))
             scale = torch.empty(rows, n, dtype=torch.float32, device=device)
             setattr(self, SCALE_NAMES[name], nn.Parameter(scale, requires_grad=False))
@@ -306,8 +317,10 @@ class MultiHeadMoE(nn.Module):
         x holds this rank's tokens with all heads; `token_counts` lists every
         rank's token count (it is gathered with one collective if omitted). One
         all-to-all sends each rank its heads of all tokens, one brings them
-        back. input_mode "replicated": every rank holds the same tokens and
-        only its own heads, x: [..., local_heads * D]; no communication.
+        back; a module of more than one rank built without a group cannot.
+        input_mode "replicated": every rank holds the same tokens and only its
+        own heads, x: [..., local_heads * D]; no communication, so no group
+        needed, and `token_counts` is refused.
         """
         cfg = self.config
         p = self.partition
@@ -316,12 +329,12 @@ class MultiHeadMoE(nn.Module):
         if not x.dtype.is_floating_point:
             raise ValueError(f"MultiHeadMoE: input must be floating point, got {x.dtype}")
         self._check_inference(x)
-        if p.world_size > 1 and self.group is None:
-            raise ValueError(f"MultiHeadMoE: this module holds rank {p.rank} of {p.world_size} "
-                             f"(built from a partition, without a process group) and cannot "
-                             f"run forward; pass group=")
         lead = x.shape[:-1]
         if self.input_mode == "replicated":
+            if token_counts is not None:
+                raise ValueError("MultiHeadMoE: token_counts is for input_mode 'sequence' (the "
+                                 "ranks' token counts for the all-to-all); replicated input "
+                                 "needs none")
             width = p.local_heads * cfg.head_dim
             if x.shape[-1] != width:
                 raise ValueError(f"MultiHeadMoE: replicated input must be [..., local_heads * D "
@@ -343,6 +356,11 @@ class MultiHeadMoE(nn.Module):
         if p.world_size == 1:
             y = self.forward_heads(tokens.view(S, cfg.num_heads, cfg.head_dim))
             return y.reshape(*lead, cfg.hidden_size)
+        if self.group is None:
+            raise ValueError(f"MultiHeadMoE: this module holds rank {p.rank} of {p.world_size} "
+                             f"(built from a partition, without a process group) and cannot "
+                             f"run a sequence-parallel forward; pass group= (or use "
+                             f"input_mode='replicated', which needs no communication)")
         if token_counts is None:
             token_counts = gather_token_counts(S, x.device, self.group)
         # Every rank computes all its local heads, padding included (zero weights,
@@ -368,6 +386,9 @@ class MultiHeadMoE(nn.Module):
             return super()._apply(keep_dtype, recurse)
         expert = self.W_gate
         after = fn(torch.empty(0, dtype=expert.dtype, device=expert.device))
+        if after.dtype != expert.dtype:
+            # Refused before anything is cast, so that a refusal leaves the layer whole.
+            self._check_cast(after.dtype)
         keep = _router_dtype(after.dtype) if after.is_floating_point() else None
         router = (self.gate, self.router.expert_bias, self.router.expert_bias_ema)
         guarded = {id(t) for param in router for t in (param, param.grad) if t is not None}
@@ -385,6 +406,35 @@ class MultiHeadMoE(nn.Module):
         if self.W_gate.dtype != self.config.params_dtype:
             self.config = self.config.replace(params_dtype=self.W_gate.dtype)
         return self
+
+    def _check_cast(self, dtype: torch.dtype) -> None:
+        """Raise unless the experts can be cast to `dtype`: not a one-byte dtype (fp8
+        weights need their scales, which a cast cannot make), and one the config takes."""
+        if dtype.itemsize == 1:
+            raise ValueError(f"MultiHeadMoE: cannot cast the experts to {dtype}: fp8 weights "
+                             f"need per-channel scales; use mhmoe.quantize(layer, 'fp8'), which "
+                             f"returns a new fp8 layer (the layer is unchanged)")
+        try:
+            self.config.replace(params_dtype=dtype)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"MultiHeadMoE: cannot cast the experts to {dtype} (the layer is "
+                             f"unchanged): {e}") from None
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        if not self.config.is_fp8:
+            return
+        # load_state_dict(assign=True) takes the given tensors with their strides; the fp8
+        # kernel reads the weights K-major and would copy others on every forward (3 GB a
+        # MAGI-2 layer), so they are laid out once here. (Without assign, copy_ keeps the
+        # parameters' own K-major strides.)
+        for name in SCALE_NAMES:
+            param = getattr(self, name)
+            if not is_k_major(param):
+                setattr(self, name, nn.Parameter(k_major(param.detach()),
+                                                 requires_grad=param.requires_grad))
 
     def extra_repr(self) -> str:
         cfg = self.config

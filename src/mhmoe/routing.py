@@ -396,8 +396,7 @@ def _route_triton_op(logits: torch.Tensor, expert_bias: torch.Tensor | None, top
     from .kernels.layout import layout_block_t
     from .kernels.topk import triton_route
 
-    options = RouterOptions(top_k, score_func, route_norm, norm_eps, route_scale, num_groups,
-                            topk_groups)
+    options = RouterOptions.from_op_args(locals())
     out = triton_route(logits, options, expert_bias,
                        count_block_t=layout_block_t(top_k) if with_counts else None)
     counts = out.block_counts if with_counts else _no_counts(out.indices)
@@ -445,8 +444,7 @@ def _logits_route_triton_op(x_heads: torch.Tensor, gate: torch.Tensor,
     from .kernels.layout import layout_block_t
     from .kernels.router_logits import triton_logits_route
 
-    options = RouterOptions(top_k, score_func, route_norm, norm_eps, route_scale, num_groups,
-                            topk_groups)
+    options = RouterOptions.from_op_args(locals())
     out = triton_logits_route(
         x_heads, gate, options, expert_bias, return_logits=save_logits,
         count_block_t=layout_block_t(top_k) if with_counts else None)

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from ..config import MultiHeadMoEConfig
-from ..fp8 import FP8, SCHEME
+from ..fp8 import FP8, SCALE_NAMES, SCHEME
 from .format import (
     FP8_SCALE_NAMES,
     MOE_PARAM_NAMES,
@@ -238,8 +238,7 @@ def _scale_problems(report: CheckpointReport, reader: CheckpointReader) -> list[
         problems.append(f"{reader.path}: fp8 layers {fp8_layers} need the "
                         f"{QUANT_METADATA_KEY!r} metadata {SCHEME!r}; it is {found}")
     for layer in fp8_layers:
-        for weight, scale in (("W_gate", "W_gate_scale"), ("W_up", "W_up_scale"),
-                              ("W_down", "W_down_scale")):
+        for weight, scale in SCALE_NAMES.items():
             w, s = rows.get((layer, weight)), rows.get((layer, scale))
             if w is None or s is None:
                 continue  # reported as missing

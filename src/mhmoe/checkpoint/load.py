@@ -261,12 +261,9 @@ def load_layer(
             state[name] = tensor.transpose(1, 2).contiguous().transpose(1, 2)
     module = MultiHeadMoE(config, group, device="meta", backend=backend, partition=partition,
                           input_mode=input_mode)
+    # assign=True keeps each parameter's requires_grad from the module, so the frozen
+    # router biases (and every parameter of an fp8 layer) stay frozen.
     module.load_state_dict(state, strict=True, assign=True)
-    # The router biases are frozen parameters (every parameter of an fp8 layer is);
-    # assign must not make them trainable.
-    frozen = module.parameters() if config.is_fp8 else module.router.parameters()
-    for param in frozen:
-        param.requires_grad_(False)
     return module
 
 

@@ -66,6 +66,57 @@ def _resolve(path: Path) -> Path:
     return path
 
 
+def read_index(index: Path) -> tuple[dict[str, Path], dict]:
+    """(weight map {key: shard path}, metadata) of an index json; `CheckpointError` if it
+    is not one, or names a shard outside its directory."""
+    try:
+        data = json.loads(index.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"cannot read the index json: {e}", path=index) from e
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+        raise CheckpointError('the index json must hold "weight_map": {key: file name}',
+                              path=index)
+    metadata = data.get("metadata", {})
+    if not isinstance(metadata, dict):
+        raise CheckpointError('the index json\'s "metadata" must be an object', path=index)
+    files: dict[str, Path] = {}
+    for key, name in weight_map.items():
+        # Shards live next to the index; refuse names that would leave that directory.
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            raise CheckpointError(f"the index maps the key to {name!r}, outside the "
+                                  f"checkpoint directory", path=index, key=key)
+        files[key] = index.parent / name
+    return files, metadata
+
+
+def read_header(file: Path, listed: str = "") -> tuple[int, dict]:
+    """(data start, JSON header) of a safetensors file: an 8-byte little-endian header
+    length, the header, then the data. `CheckpointError` if it is not one; `listed` is
+    added to its message (the index that lists the file)."""
+    try:
+        with open(file, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(8)
+            length = struct.unpack("<Q", head)[0] if len(head) == 8 else None
+            if length is None or length > min(size - 8, _MAX_HEADER_BYTES):
+                raise CheckpointError(f"corrupt safetensors header: it claims {length} bytes, "
+                                      f"the file has {size}{listed}", path=file)
+            header = json.loads(f.read(length))
+    except FileNotFoundError as e:
+        raise CheckpointError(f"file is missing{listed}", path=file) from e
+    except OSError as e:
+        raise CheckpointError(f"cannot read the file{listed}: {e}", path=file) from e
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"corrupt safetensors header (not JSON: {e}){listed}",
+                              path=file) from e
+    if not isinstance(header, dict):
+        raise CheckpointError(f"corrupt safetensors header (not a JSON object){listed}",
+                              path=file)
+    return 8 + length, header
+
+
 class CheckpointReader:
     """An open checkpoint: a .safetensors file, an index .json, or a directory holding
     `model.safetensors` or `model.safetensors.index.json`.
@@ -97,7 +148,7 @@ class CheckpointReader:
         self._config_cache: tuple[MultiHeadMoEConfig | None] | None = None
         if self.path.name.endswith(".json"):
             self.index_path: Path | None = self.path
-            self._weight_map, self._index_metadata = self._read_index(self.path)
+            self._weight_map, self._index_metadata = read_index(self.path)
             self.files = sorted(set(self._weight_map.values()))
         else:
             self.index_path = None
@@ -111,56 +162,11 @@ class CheckpointReader:
             if parsed is not None:
                 self._moe[key] = parsed
 
-    @staticmethod
-    def _read_index(index: Path) -> tuple[dict[str, Path], dict]:
-        try:
-            data = json.loads(index.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"cannot read the index json: {e}", path=index) from e
-        weight_map = data.get("weight_map") if isinstance(data, dict) else None
-        if not isinstance(weight_map, dict) or not all(
-                isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
-            raise CheckpointError('the index json must hold "weight_map": {key: file name}',
-                                  path=index)
-        metadata = data.get("metadata", {})
-        if not isinstance(metadata, dict):
-            raise CheckpointError('the index json\'s "metadata" must be an object',
-                                  path=index)
-        files: dict[str, Path] = {}
-        for key, name in weight_map.items():
-            # Shards live next to the index; refuse names that would leave that directory.
-            if Path(name).is_absolute() or ".." in Path(name).parts:
-                raise CheckpointError(f"the index maps the key to {name!r}, outside the "
-                                      f"checkpoint directory", path=index, key=key)
-            files[key] = index.parent / name
-        return files, metadata
-
     def _read_header(self, file: Path) -> tuple[int, dict]:
-        """(data start, JSON header) of a safetensors file: an 8-byte little-endian header
-        length, the header, then the data."""
-        if file in self._headers:
-            return self._headers[file]
-        listed = f" (listed in {self.index_path.name})" if self.index_path else ""
-        try:
-            with open(file, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                head = f.read(8)
-                length = struct.unpack("<Q", head)[0] if len(head) == 8 else None
-                if length is None or length > min(size - 8, _MAX_HEADER_BYTES):
-                    raise CheckpointError(f"corrupt safetensors header: it claims {length} bytes, "
-                                          f"the file has {size}{listed}", path=file)
-                header = json.loads(f.read(length))
-        except FileNotFoundError as e:
-            raise CheckpointError(f"file is missing{listed}", path=file) from e
-        except OSError as e:
-            raise CheckpointError(f"cannot read the file{listed}: {e}", path=file) from e
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"corrupt safetensors header (not JSON: {e}){listed}",
-                                  path=file) from e
-        if not isinstance(header, dict):
-            raise CheckpointError(f"corrupt safetensors header (not a JSON object){listed}",
-                                  path=file)
-        self._headers[file] = (8 + length, header)
+        """`read_header` of one of this checkpoint's files, read once."""
+        if file not in self._headers:
+            listed = f" (listed in {self.index_path.name})" if self.index_path else ""
+            self._headers[file] = read_header(file, listed)
         return self._headers[file]
 
     def _open(self, file: Path, key: str | None = None) -> io.FileIO:

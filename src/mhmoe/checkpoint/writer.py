@@ -6,8 +6,9 @@ that keeps a crash from leaving a mixed checkpoint behind).
 
 What a save may remove: the files of an earlier checkpoint that mhmoe wrote (their
 metadata carries `WRITER_METADATA_KEY`), and its own temporaries left by a save that
-was killed (`_TEMP_NAME`, from a process that no longer runs). Nothing else: a
-directory that already holds safetensors files is refused unless `overwrite=True`.
+was killed (`_TEMP_NAME`, of a save whose lock, `_save_lock`, nobody holds). Nothing
+else: a directory that already holds safetensors files is refused unless
+`overwrite=True`.
 
 `save_checkpoint_layers` writes by the same rules, one shard per layer, asking for
 each layer's tensors only when it writes them (`mhmoe quantize`: a checkpoint larger
@@ -18,9 +19,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import json
 import os
 import re
+import stat
 import struct
 import sys
 import uuid
@@ -44,13 +47,17 @@ from .format import (
     CheckpointError,
     moe_key,
 )
+from .reader import read_header, read_index
 
 _SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
-# The temporary name of every file this writer creates (`_temp_name`): the final name,
-# the writing process's id and a random tag. A save removes the ones whose process is
-# gone (a save killed midway), never a file of another name.
+# The temporary name of every file this writer creates (`_temp_name`): the final name
+# and the save's stamp, PID.TAG (the writing process's id, for people, and a random tag
+# of the save). A save removes the ones of saves that are gone (killed midway), never a
+# file of another name.
 _TEMP_NAME = re.compile(r"\.(model\.safetensors|model-\d{5}-of-\d{5}\.safetensors|"
-                        r"model\.safetensors\.index\.json)\.(\d+)\.[0-9a-f]{8}\.tmp")
+                        r"model\.safetensors\.index\.json)\.(\d+\.[0-9a-f]{8})\.tmp")
+# The lock file of a save in progress (`_save_lock`), named by the save's stamp.
+_LOCK_NAME = re.compile(r"\.mhmoe-save\.(\d+\.[0-9a-f]{8})\.lock")
 # Metadata key (in every file and in the index) marking a checkpoint that mhmoe wrote;
 # the value is the writer's version. Files of an earlier save are removed only if they
 # carry it (or, written before the key existed, mhmoe's config key).
@@ -145,62 +152,107 @@ def _plan_shards(entries: list[tuple[str, torch.Tensor]], max_shard_bytes: int |
     return shards
 
 
-def _temp_name(final: Path) -> Path:
+def _temp_name(final: Path, stamp: str) -> Path:
     # Same directory as the final name, so os.replace is a rename within one filesystem.
     # The pattern is `_TEMP_NAME`: the next save recognises what a killed one left.
-    return final.with_name(f".{final.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    return final.with_name(f".{final.name}.{stamp}.tmp")
 
 
-def _process_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
+def _lock_path(directory: Path, stamp: str) -> Path:
+    return directory / f".mhmoe-save.{stamp}.lock"
+
+
+def _still_names(path: Path, fd: int) -> bool:
+    """Whether `path` still names the file open as `fd`."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        st = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
         return False
-    except (PermissionError, OSError):
-        return True  # a process we may not signal exists; leave its files alone
-    return True
+    open_st = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (open_st.st_dev, open_st.st_ino)
+
+
+@contextlib.contextmanager
+def _save_lock(directory: Path) -> Iterator[str]:
+    """Hold the lock of one save into `directory` (an exclusive `flock` on a lock file
+    there); yields the save's stamp, which its temporaries' names carry (`_temp_name`).
+
+    Held from before the first temporary is created until after the last is renamed
+    into place or removed, so a temporary is stale exactly when the lock of its stamp
+    can be taken or its lock file is gone: the kernel releases the lock of a process
+    that dies however it dies, whatever its PID (a container's mhmoe may always run as
+    the same PID), and on a shared filesystem with working locks (NFS) a save of another
+    host holds its lock too, where its PID would mean nothing here.
+    """
+    while True:
+        stamp = f"{os.getpid()}.{uuid.uuid4().hex[:8]}"
+        path = _lock_path(directory, stamp)
+        # Read-write: NFS implements flock's LOCK_EX by a write lock.
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except BaseException:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise
+        # Another save's clean-up may have taken the lock between the open and the flock
+        # and removed the file as stale; then start again under another stamp.
+        if _still_names(path, fd):
+            break
+        os.close(fd)
+    try:
+        yield stamp
+    finally:
+        path.unlink(missing_ok=True)  # while still locked: see _remove_stale_temporaries
+        os.close(fd)
 
 
 def _remove_stale_temporaries(directory: Path) -> list[Path]:
-    """Remove this writer's temporaries (`_TEMP_NAME`) whose writing process is gone: what
-    a save killed midway (kill -9, power loss) left. A temporary of a process that still
-    runs may belong to a save in progress and is kept, as is every other file."""
-    removed = []
+    """Remove this writer's temporaries (`_TEMP_NAME`) of saves that are gone, and their
+    lock files: what a save killed midway (kill -9, power loss) left. A save is gone
+    when its lock file (`_LOCK_NAME`) is absent or its lock can be taken; the temporaries
+    of a save whose lock is held are kept, as is every file of another name."""
+    saves: dict[str, list[Path]] = {}
     for p in directory.iterdir():
-        match = _TEMP_NAME.fullmatch(p.name)
-        if match and p.is_file() and not p.is_symlink() \
-                and not _process_alive(int(match[2])):
-            p.unlink(missing_ok=True)
-            removed.append(p)
+        match = _TEMP_NAME.fullmatch(p.name) or _LOCK_NAME.fullmatch(p.name)
+        if match:
+            saves.setdefault(match[match.lastindex], []).append(p)
+    removed = []
+    for stamp, files in sorted(saves.items()):
+        lock = _lock_path(directory, stamp)
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            fd = None  # the save is over; what it left is stale
+        except OSError:
+            continue  # a lock we cannot take (another user's, a link): leave its files
+        try:
+            if fd is not None:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:
+                    continue  # held: a save in progress
+                if not stat.S_ISREG(os.fstat(fd).st_mode) or not _still_names(lock, fd):
+                    continue  # not a lock file of ours, or its save just ended
+            temps = [p for p in files if p != lock]
+            for p in [*temps, lock] if fd is not None else temps:
+                if p.is_file() and not p.is_symlink():
+                    p.unlink(missing_ok=True)
+                    removed.append(p)
+        finally:
+            if fd is not None:
+                os.close(fd)
     return removed
 
 
 def _safetensors_metadata(file: Path) -> dict | None:
-    """The `__metadata__` of a safetensors file's header, or None if it cannot be read."""
+    """The `__metadata__` of a safetensors file's header, or None if it is not one."""
     try:
-        with open(file, "rb") as f:
-            head = f.read(8)
-            if len(head) != 8:
-                return None
-            (length,) = struct.unpack("<Q", head)
-            if length > min(os.fstat(f.fileno()).st_size - 8, 100_000_000):
-                return None
-            header = json.loads(f.read(length))
-    except (OSError, ValueError):
+        _, header = read_header(file)
+    except CheckpointError:
         return None
-    metadata = header.get("__metadata__") if isinstance(header, dict) else None
+    metadata = header.get("__metadata__")
     return metadata if isinstance(metadata, dict) else {}
-
-
-def _index_of(file: Path) -> dict | None:
-    """An index json's contents, or None if it cannot be read as one."""
-    try:
-        data = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
 
 
 def _written_by_mhmoe(metadata: object) -> bool:
@@ -221,18 +273,18 @@ def _mhmoe_files(directory: Path) -> set[Path]:
     must carry mhmoe's metadata too."""
     ours: set[Path] = set()
     index = directory / INDEX_FILE
-    data = _index_of(index) if index.is_file() else None
-    if data is not None and _written_by_mhmoe(data.get("metadata")):
+    try:
+        weight_map, index_metadata = read_index(index) if index.is_file() else ({}, None)
+    except CheckpointError:
+        weight_map, index_metadata = {}, None
+    if _written_by_mhmoe(index_metadata):
         ours.add(index)
-        weight_map = data.get("weight_map")
-        names = set(weight_map.values()) if isinstance(weight_map, dict) else set()
-        for name in names:
+        for shard in set(weight_map.values()):
             # Only plain names of this writer's pattern: an index cannot point a removal
             # outside the directory or at another file.
-            if isinstance(name, str) and _SHARD_NAME.fullmatch(name):
-                shard = directory / name
-                if shard.is_file() and _written_by_mhmoe(_safetensors_metadata(shard)):
-                    ours.add(shard)
+            if shard.parent == directory and _SHARD_NAME.fullmatch(shard.name) \
+                    and shard.is_file() and _written_by_mhmoe(_safetensors_metadata(shard)):
+                ours.add(shard)
     single = directory / SINGLE_FILE
     if single.is_file() and _written_by_mhmoe(_safetensors_metadata(single)):
         ours.add(single)
@@ -240,7 +292,8 @@ def _mhmoe_files(directory: Path) -> set[Path]:
 
 
 def _write_safetensors(final: Path, entries: list[tuple[str, torch.Tensor]],
-                       metadata: dict[str, str], advance: Callable[[int], None]) -> Path:
+                       metadata: dict[str, str], advance: Callable[[int], None],
+                       stamp: str) -> Path:
     """Write `entries` as a safetensors file under a temporary name next to `final`;
     returns that name (the caller renames it into place once every file is written).
 
@@ -259,7 +312,7 @@ def _write_safetensors(final: Path, entries: list[tuple[str, torch.Tensor]],
         offset += n
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the data section starts 8-byte aligned
-    temp = _temp_name(final)
+    temp = _temp_name(final, stamp)
     try:
         with open(temp, "wb") as f:
             f.write(struct.pack("<Q", len(blob)))
@@ -281,8 +334,8 @@ def _write_safetensors(final: Path, entries: list[tuple[str, torch.Tensor]],
     return temp
 
 
-def _write_json(final: Path, payload: dict) -> None:
-    temp = _temp_name(final)
+def _write_json(final: Path, payload: dict, stamp: str) -> None:
+    temp = _temp_name(final, stamp)
     try:
         with open(temp, "w", encoding="utf-8") as f:
             json.dump(payload, f, indent=2, sort_keys=True)
@@ -365,8 +418,8 @@ def save_checkpoint(
     `model.safetensors.index.json` of another writer beside the new checkpoint of the
     other layout is refused before anything is written (a reader could not tell the
     two apart). Every save also removes the temporaries of an earlier save into `path`
-    that was killed midway (this writer's `.NAME.PID.TAG.tmp` files whose process no
-    longer runs).
+    that was killed midway (this writer's `.NAME.PID.TAG.tmp` files, and the
+    `.mhmoe-save.PID.TAG.lock` file, of a save whose lock nobody holds).
 
     Crash safety: every file is written under a temporary name in `path`, flushed to
     disk, then renamed into place; the index is written last. Shards are renamed only
@@ -394,20 +447,21 @@ def save_checkpoint(
     metadata = _metadata(config, partition)
     total = sum(_nbytes(t) for _, t in entries)
 
-    temps: list[Path] = []
-    try:
-        with _byte_progress(total, progress, f"writing {directory.name or directory}") \
-                as advance:
-            for final, shard in zip(finals, shards, strict=True):
-                temps.append(_write_safetensors(final, shard, metadata, advance))
-        _publish(directory, temps, finals)
-        temps = []
-    finally:
-        for temp in temps:
-            temp.unlink(missing_ok=True)
-    weight_map = {key: name for name, shard in zip(names, shards, strict=True)
-                  for key, _ in shard}
-    return _finish(directory, finals, weight_map, metadata, total, ours)
+    with _save_lock(directory) as stamp:
+        temps: list[Path] = []
+        try:
+            with _byte_progress(total, progress, f"writing {directory.name or directory}") \
+                    as advance:
+                for final, shard in zip(finals, shards, strict=True):
+                    temps.append(_write_safetensors(final, shard, metadata, advance, stamp))
+            _publish(directory, temps, finals)
+            temps = []
+        finally:
+            for temp in temps:
+                temp.unlink(missing_ok=True)
+        weight_map = {key: name for name, shard in zip(names, shards, strict=True)
+                      for key, _ in shard}
+        return _finish(directory, finals, weight_map, metadata, total, ours, stamp)
 
 
 def _check_target(directory: Path) -> None:
@@ -483,14 +537,14 @@ def _publish(directory: Path, temps: list[Path], finals: list[Path]) -> None:
 
 
 def _finish(directory: Path, finals: list[Path], weight_map: dict[str, str],
-            metadata: dict[str, str], total: int, ours: set[Path]) -> list[Path]:
+            metadata: dict[str, str], total: int, ours: set[Path], stamp: str) -> list[Path]:
     """After `_publish`: the index (last), then the earlier checkpoint's stale files."""
     index = directory / INDEX_FILE
     written = list(finals)
     if len(finals) > 1:
         index_metadata: dict[str, object] = {"total_size": total}
         index_metadata.update({k: v for k, v in metadata.items() if k != "format"})
-        _write_json(index, {"metadata": index_metadata, "weight_map": weight_map})
+        _write_json(index, {"metadata": index_metadata, "weight_map": weight_map}, stamp)
         written.append(index)
     _fsync_dir(directory)
 
@@ -540,29 +594,31 @@ def save_checkpoint_layers(
     metadata = _metadata(config, partition)
     weight_map: dict[str, str] = {}
     total = 0
-    temps: list[Path] = []
-    try:
-        with _layer_bar(len(layers), progress) as advance:
-            for final, layer in zip(finals, layers, strict=True):
-                advance(f"layer {layer}", 0)
-                entries = []
-                for key, tensor in make(layer).items():
-                    if tensor.dtype not in TORCH_TO_ST:
-                        raise CheckpointError(f"dtype {tensor.dtype} cannot be stored in "
-                                              f"safetensors by this writer", path=directory,
-                                              key=key)
-                    entries.append((key, tensor.detach()))
-                    weight_map[key] = final.name
-                temps.append(_write_safetensors(final, entries, metadata, lambda n: None))
-                total += sum(_nbytes(t) for _, t in entries)
-                del entries  # before the next layer is made
-                advance(f"wrote layer {layer} ({total / 1e9:.2f} GB so far)", 1)
-        _publish(directory, temps, finals)
-        temps = []
-    finally:
-        for temp in temps:
-            temp.unlink(missing_ok=True)
-    return _finish(directory, finals, weight_map, metadata, total, ours)
+    with _save_lock(directory) as stamp:
+        temps: list[Path] = []
+        try:
+            with _layer_bar(len(layers), progress) as advance:
+                for final, layer in zip(finals, layers, strict=True):
+                    advance(f"layer {layer}", 0)
+                    entries = []
+                    for key, tensor in make(layer).items():
+                        if tensor.dtype not in TORCH_TO_ST:
+                            raise CheckpointError(f"dtype {tensor.dtype} cannot be stored in "
+                                                  f"safetensors by this writer", path=directory,
+                                                  key=key)
+                        entries.append((key, tensor.detach()))
+                        weight_map[key] = final.name
+                    temps.append(_write_safetensors(final, entries, metadata, lambda n: None,
+                                                stamp))
+                    total += sum(_nbytes(t) for _, t in entries)
+                    del entries  # before the next layer is made
+                    advance(f"wrote layer {layer} ({total / 1e9:.2f} GB so far)", 1)
+            _publish(directory, temps, finals)
+            temps = []
+        finally:
+            for temp in temps:
+                temp.unlink(missing_ok=True)
+        return _finish(directory, finals, weight_map, metadata, total, ours, stamp)
 
 
 @contextlib.contextmanager

@@ -25,9 +25,10 @@ What `accelerate` changes, per module, and nothing else:
 The module keeps its config, `ep_group`, `ep_slice` and each parameter's
 `mmap_weight_transform` (they are its own objects, untouched), so the model's loader still
 finds it with `isinstance` and still slices checkpoint rows through it. Every call checks
-(by identity) that the module still holds the same parameters, config and group; if one
-was replaced (an assignment, `load_state_dict(..., assign=True)`, a `.to()` that swaps
-parameters, a fresh `ep_group`), the mhmoe layer is rebuilt around the new ones.
+(by identity, against references the binding keeps, so that a freed object's reused
+address cannot pass for it) that the module still holds the same parameters, config and
+group; if one was replaced (an assignment, `load_state_dict(..., assign=True)`, a `.to()`
+that swaps parameters, a fresh `ep_group`), the mhmoe layer is rebuilt around the new ones.
 
 The accelerated forward is `MultiHeadMoE.forward`: sequence-parallel input (the token
 counts gathered with one collective per call, as the published module does, unless
@@ -47,15 +48,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..checkpoint.format import MOE_PARAM_NAMES, expected_dtypes, expected_shapes
 from ..config import MultiHeadMoEConfig
 from ..layer import MultiHeadMoE
 from ..parallel import HeadPartition
 
 __all__ = ["accelerate", "accelerated_layer", "config_from_magi2", "is_magi2_moe", "restore"]
 
-# The per-expert parameters of a published module (docs/contract.md section 5).
-SHARDED_PARAMETERS = ("gate", "W_gate", "W_up", "W_down", "router.expert_bias",
-                      "router.expert_bias_ema")
+# The per-expert parameters of a published module (docs/contract.md section 5) are
+# MOE_PARAM_NAMES; its expert weights, of one dtype, are these.
+_EXPERT_WEIGHTS = ("W_gate", "W_up", "W_down")
 
 # The fields of the published `Magi2MultiHeadMoEConfig`, in its order.
 PUBLISHED_CONFIG_FIELDS = ("hidden_size", "num_heads", "num_experts", "top_k",
@@ -106,7 +108,7 @@ def is_magi2_moe(module: nn.Module) -> bool:
     expert-parallel modules with their own sharded names are not MoE layers.)"""
     names = getattr(type(module), "_EP_SHARDED_PARAMETER_NAMES", None)
     try:
-        return set(SHARDED_PARAMETERS) <= set(names)
+        return set(MOE_PARAM_NAMES) <= set(names)
     except TypeError:
         return False
 
@@ -162,7 +164,7 @@ class _Binding:
     path: str                     # the module's path in the model, for error messages
     backend: str
     layer: MultiHeadMoE           # meta-built, holding the module's own parameters
-    signature: tuple              # `_signature` of the module when `layer` was built
+    signature: _Signature         # what `layer` was built from
     previous_forward: Callable | None  # an instance `forward` the module had before
 
 
@@ -170,36 +172,46 @@ def _accelerated_forward(module: nn.Module, x: torch.Tensor,
                          token_counts: list[int] | None = None) -> torch.Tensor:
     """The forward of an accelerated module: x [..., hidden] (replicated mode:
     [..., local_heads * D]) -> same shape and dtype. `token_counts` (an mhmoe extension;
-    sequence mode): every rank's token count, which spares the per-call gather."""
-    binding = _current(module)
-    layer = binding.layer
-    if layer.partition.world_size > 1 and layer.group is None:
-        p = layer.partition
-        raise ValueError(f"magi2: module {binding.path!r} has ep_group world_size "
-                         f"{p.world_size} (rank {p.rank}) but no process group (group=None "
-                         f"means one rank): it can hold and load its rows but not run forward")
-    return layer(x, token_counts=token_counts)
+    sequence mode): every rank's token count, which spares the per-call gather. A module
+    of more than one rank without `ep_group.group` runs in the replicated mode only (the
+    layer refuses a sequence-parallel forward: it needs the group's all-to-all)."""
+    return _current(module).layer(x, token_counts=token_counts)
 
 
 def _current(module: nn.Module) -> _Binding:
     """The module's binding, rebuilt if its parameters, config or group changed."""
     binding = module.__dict__[_STATE]
-    if _signature(module) != binding.signature:
+    if not binding.signature.matches(_Signature.of(module)):
         binding = _bind(module, binding.path, binding.backend, binding.previous_forward)
         module.__dict__[_STATE] = binding
     return binding
 
 
-def _signature(module: nn.Module) -> tuple:
-    """What the mhmoe layer was built from, by identity: cheap enough for every call.
-    The dtypes are in it because a cast in place keeps the Parameter objects."""
-    params = tuple(_lookup(module, name) for name in SHARDED_PARAMETERS)
-    group = getattr(module, "ep_group", None)
-    world, rank, process_group, replicated = (getattr(group, name, None)
-                                              for name in _GROUP_FIELDS)
-    return (tuple(map(id, params)), tuple(getattr(p, "dtype", None) for p in params),
-            id(getattr(module, "config", None)), id(group), world, rank, id(process_group),
-            replicated)
+@dataclass(frozen=True, eq=False)
+class _Signature:
+    """What an mhmoe layer was built from: cheap enough to compare on every call.
+
+    The objects themselves are kept, not their `id()`: a replaced config or group that
+    nothing else holds is freed, and a newer one may be allocated at its address.
+    """
+
+    objects: tuple  # the six parameters, the config, ep_group and its process group
+    values: tuple   # the parameters' dtypes (a cast in place keeps the Parameter
+                    # objects) and ep_group's world_size, rank and replicated_sequence
+
+    @staticmethod
+    def of(module: nn.Module) -> _Signature:
+        params = tuple(_lookup(module, name) for name in MOE_PARAM_NAMES)
+        group = getattr(module, "ep_group", None)
+        world, rank, process_group, replicated = (getattr(group, name, None)
+                                                  for name in _GROUP_FIELDS)
+        return _Signature((*params, getattr(module, "config", None), group, process_group),
+                          (*(getattr(p, "dtype", None) for p in params), world, rank,
+                           replicated))
+
+    def matches(self, other: _Signature) -> bool:
+        return all(a is b for a, b in zip(self.objects, other.objects, strict=True)) \
+            and self.values == other.values
 
 
 # The members of a published ep_group object.
@@ -220,15 +232,15 @@ def _bind(module: nn.Module, path: str, backend: str,
     module cannot run on mhmoe. `previous_forward`: the instance `forward` that
     `restore` puts back (None: the class's)."""
     where = f"magi2: module {path or '(the model itself)'!r} ({type(module).__name__})"
-    signature = _signature(module)
+    signature = _Signature.of(module)
     try:
         config = config_from_magi2(getattr(module, "config", None))
     except ValueError as err:
         raise ValueError(f"{where}: {err}") from None
-    extra = sorted(set(type(module)._EP_SHARDED_PARAMETER_NAMES) - set(SHARDED_PARAMETERS))
+    extra = sorted(set(type(module)._EP_SHARDED_PARAMETER_NAMES) - set(MOE_PARAM_NAMES))
     if extra:
         raise ValueError(f"{where}: sharded parameters {extra} beyond the published "
-                         f"{list(SHARDED_PARAMETERS)}; mhmoe cannot represent them")
+                         f"{list(MOE_PARAM_NAMES)}; mhmoe cannot represent them")
     group = getattr(module, "ep_group", None)
     if group is None:  # the published default: one rank, sequence input
         world, rank, process_group, replicated = 1, 0, None, False
@@ -245,12 +257,12 @@ def _bind(module: nn.Module, path: str, backend: str,
     except ValueError as err:
         raise ValueError(f"{where}: {err}") from None
     _check_attributes(module, where, config, partition)
-    params = {name: _lookup(module, name) for name in SHARDED_PARAMETERS}
+    params = {name: _lookup(module, name) for name in MOE_PARAM_NAMES}
     _check_parameters(params, where, config, partition)
     if not callable(getattr(module, "ep_slice", None)):
         raise ValueError(f"{where}: no ep_slice method (docs/contract.md section 9)")
     # The experts' dtype is the parameters' own (a cast may have changed it since the
-    # config was written); the router is checked to be float32 (or float64) above.
+    # config was written); the router is checked above to have the dtype that goes with it.
     config = config.replace(params_dtype=params["W_gate"].dtype)
     try:
         layer = MultiHeadMoE(config, process_group, device="meta", backend=backend,
@@ -292,13 +304,10 @@ def _check_attributes(module: nn.Module, where: str, config: MultiHeadMoEConfig,
 
 def _check_parameters(params: dict[str, Any], where: str, config: MultiHeadMoEConfig,
                       partition: HeadPartition) -> None:
-    """The six parameters: nn.Parameters of this rank's shapes, float experts of one
-    dtype, a float32 (or float64) router."""
-    rows = partition.local_heads * config.num_experts
-    D, I = config.head_dim, config.expert_intermediate_size
-    shapes = {"gate": (rows, D), "W_gate": (rows, D, I), "W_up": (rows, D, I),
-              "W_down": (rows, I, D), "router.expert_bias": (rows,),
-              "router.expert_bias_ema": (rows,)}
+    """The six parameters: nn.Parameters of this rank's shapes (the checkpoint format's
+    `expected_shapes`), experts of one floating dtype of 2 bytes or more, and the router
+    dtype (`expected_dtypes`) that goes with it: float32 (float64 with float64 experts)."""
+    shapes = expected_shapes(config, partition.local_heads * config.num_experts)
     for name, param in params.items():
         if not isinstance(param, nn.Parameter):
             raise ValueError(f"{where}: {name} is {type(param).__name__}, not an nn.Parameter")
@@ -309,14 +318,23 @@ def _check_parameters(params: dict[str, Any], where: str, config: MultiHeadMoECo
         if not param.dtype.is_floating_point:
             raise ValueError(f"{where}: {name} is {param.dtype}, not floating point "
                              f"(quantized published weights cannot run on mhmoe's experts)")
-    experts = {params[name].dtype for name in ("W_gate", "W_up", "W_down")}
+        if name in _EXPERT_WEIGHTS and param.dtype.itemsize == 1:
+            # mhmoe's fp8 experts need per-row scales (docs/fp8.md) the published module
+            # does not have; without this check the layer would fail at its first forward.
+            raise ValueError(f"{where}: {name} is {param.dtype}, a 1-byte (fp8) dtype: "
+                             f"published fp8 weights cannot run on mhmoe's experts, which "
+                             f"need per-row scales (docs/fp8.md)")
+    experts = {params[name].dtype for name in _EXPERT_WEIGHTS}
     if len(experts) != 1:
         raise ValueError(f"{where}: W_gate, W_up and W_down differ in dtype: "
                          f"{sorted(map(str, experts))}")
+    dtypes = expected_dtypes(config.replace(params_dtype=experts.pop()))
     for name in ("gate", "router.expert_bias", "router.expert_bias_ema"):
-        if params[name].dtype not in (torch.float32, torch.float64):
+        if params[name].dtype != dtypes[name]:
+            want = str(dtypes[name]).removeprefix("torch.")
             raise ValueError(f"{where}: {name} is {params[name].dtype}; the router must be "
-                             f"float32 (docs/contract.md section 2: fp32 logits)")
+                             f"{want} with {params['W_gate'].dtype} experts "
+                             f"(docs/contract.md section 2: fp32 logits)")
 
 
 def _as_dtype(value: Any) -> Any:

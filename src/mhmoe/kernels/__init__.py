@@ -5,6 +5,7 @@
     layout.py               the route layout (counting sort)
     expert_forward.py       the fused expert forward (Triton)
     expert_forward_sm90.py  the same contract in Gluon, warp-specialised (sm_90 only)
+    expert_forward_fp8.py   the expert forward with fp8 (e4m3) weights (sm_89 and later)
     expert_backward.py      the expert backward (dx, dprobs, weight gradients)
     tuning.py               every per-architecture tile table
 
@@ -44,7 +45,14 @@ class CompileCase:
 
 def sm90_compile_cases() -> list[CompileCase]:
     """Every tensor-core kernel at the tiles its launcher picks on sm_90 (MAGI-2 dims)."""
-    from . import expert_backward, expert_forward, expert_forward_sm90, router_logits
+    from . import (
+        expert_backward,
+        expert_forward,
+        expert_forward_fp8,
+        expert_forward_sm90,
+        router_logits,
+    )
 
     return [*router_logits.sm90_compile_cases(), *expert_forward.sm90_compile_cases(),
-            *expert_forward_sm90.sm90_compile_cases(), *expert_backward.sm90_compile_cases()]
+            *expert_forward_sm90.sm90_compile_cases(), *expert_forward_fp8.sm90_compile_cases(),
+            *expert_backward.sm90_compile_cases()]

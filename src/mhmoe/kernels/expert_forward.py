@@ -24,8 +24,9 @@ the number of tiles, and each program finds its (expert, row block) in a
 tile -> expert map computed on the device by torch ops (no host sync), so the
 whole call can be captured in a CUDA graph.
 
-The module reads in order: the @triton.jit helpers the backward shares
-(`round_fp32`, `tile_rows`, `combine_rows`), the forward kernel, the combine's
+The module reads in order: the @triton.jit helpers the backward and the fp8
+forward share (`round_fp32`, `swiglu7_tile`, `tile_rows`, `combine_rows`), the
+forward kernel, the combine's
 finishing kernel, then the launcher `triton_expert_forward` with its host helpers
 (the tile map, the head groups of the combine). Tiles come from kernels/tuning.py.
 On sm_90 the launcher may hand the tiles to the Gluon kernel of
@@ -60,6 +61,21 @@ def round_fp32(v, dtype: tl.constexpr):
         return bits.to(tl.float32, bitcast=True)
     else:
         return v.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def swiglu7_tile(g, u):
+    """SwiGLU7 of fp32 gate and up accumulators (any matching tile shapes), in fp32:
+    min(g, 7) * sigmoid(1.702 min(g, 7)) * (clamp(u, -7, 7) + 1). Shared by the bf16
+    and fp8 forward kernels.
+
+    The sigmoid is g / (1 + 2^(-1.702 log2(e) g)) with the fast (2 ulp) division: one
+    exp2 and one reciprocal on the special-function units, which otherwise bound the
+    kernels' loops. Far below the bf16 (or e4m3) rounding of the result.
+    """
+    g = tl.minimum(g, 7.0)
+    u = tl.minimum(tl.maximum(u, -7.0), 7.0)
+    return tl.fdiv(g, 1.0 + tl.exp2(-2.4554669595930157 * g)) * (u + 1.0)
 
 
 @triton.jit
@@ -204,12 +220,7 @@ def _expert_forward_kernel(
                 wu = wu.to(tl.float32)
             g = tl.dot(x, wg, input_precision=PRECISION)
             u = tl.dot(x, wu, input_precision=PRECISION)
-        g = tl.minimum(g, 7.0)
-        u = tl.minimum(tl.maximum(u, -7.0), 7.0)
-        # g * sigmoid(1.702 g) as g / (1 + 2^(-1.702 log2(e) g)) with the fast
-        # (2 ulp) division: one exp2 and one reciprocal on the special-function
-        # units, which otherwise bound this loop. Far below the bf16 rounding of a.
-        a = tl.fdiv(g, 1.0 + tl.exp2(-2.4554669595930157 * g)) * (u + 1.0)
+        a = swiglu7_tile(g, u)
         if UPCAST:
             a = round_fp32(a, w_dtype)
         else:

@@ -7,21 +7,20 @@ leave the chip. Weights arrive as e4m3 with fp32 scales, one per expert output
 channel (`W = W_fp8 * scale`, the scale broadcast over the reduced dimension),
 stored K-major for the tensor cores: W_gate and W_up as [F, I, D], W_down as
 [F, D, I] (the layer's parameters are transposed views of these, see
-mhmoe/fp8.py). Two ways to multiply, by shape (kernels/tuning.py):
+mhmoe/fp8.py). Every product runs on the fp8 tensor cores (sm_89 or later):
 
-- ACT_FP8 (fp8 tensor cores): each x row is quantized with its own dynamic
-  scale s_x = amax / 448, so g = (xq @ Wgq) * s_x * s_gate exactly factors the
-  scales out of the fp32 accumulation. SwiGLU7 runs on the fp32 accumulators;
-  its output a is quantized per row and per slice of BLOCK_I columns
+- each x row is quantized with its own dynamic scale s_x = amax / 448, so
+  g = (xq @ Wgq) * s_x * s_gate exactly factors the scales out of the fp32
+  accumulation. SwiGLU7 runs on the fp32 accumulators (`swiglu7_tile`, the bf16
+  kernel's); its output a is quantized per row and per slice of BLOCK_I columns
   (s_a = amax / 448 of that piece), and the down GEMM accumulates
   sum_slices s_a * (aq @ Wdq): the accumulator is kept in units of the current
   slice's scale (multiplied by s_prev / s_a before each slice, by the last s_a at
   the end), so the slices share one wgmma accumulator instead of two register
   tiles. BLOCK_I is therefore part of the numerics: `fp8.ACT_BLOCK`.
-- weight-only: the fp8 weights are widened to bf16 on chip (exact) and the
-  products run on bf16 tensor cores, with the channel scales applied to the fp32
-  accumulators; a is rounded to bf16 as in the bf16 layer. It moves half the
-  weight bytes of the bf16 kernel, which is what bounds few routes per expert.
+
+(A weight-only multiply, the fp8 weights widened to bf16 on chip, measured slower
+at every size and was removed: docs/fp8.md.)
 
 The epilogue and the combine (default: fp32 atomics; deterministic: per-route
 slots summed in a fixed order) are those of the bf16 kernel (`combine_rows`,
@@ -37,7 +36,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import tuning
-from .expert_forward import HeadGroups, combine_rows, tile_map, tile_rows
+from .expert_forward import HeadGroups, combine_rows, swiglu7_tile, tile_map, tile_rows
 from .tuning import interpreting
 
 # The largest finite e4m3 value, and the amax below which a row quantizes as if its
@@ -84,14 +83,14 @@ def _expert_forward_fp8_kernel(
     out_ptr, slot_ptr,  # default: fp32 [S, G, D]; deterministic: fp32 [G*S*K, D], slots [R]
     E, first_expert, num_experts, first_head, group_heads, slot_base,
     D: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
-    DETERMINISTIC: tl.constexpr, ACT_FP8: tl.constexpr, INTERPRET: tl.constexpr,
+    DETERMINISTIC: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """Expert MLPs of one tile of routes, fp8 weights.
 
     Launch grid: (T_max,), as `expert_forward._expert_forward_kernel`: program t owns
     rows [offsets[f] + b * BLOCK_M, ...) of expert f (tile_expert[t], tile_first[f]);
-    programs past the last tile return at once. D and I are multiples of 16 and
-    BLOCK_I divides I (the launcher checks), so no load is masked but the rows'.
+    programs past the last tile return at once. D is a power of two >= 16 and BLOCK_I
+    divides I (the launcher checks), so no load is masked but the rows'.
     """
     pid = tl.program_id(0)
     e = tl.load(tile_expert_ptr + pid)
@@ -103,12 +102,9 @@ def _expert_forward_fp8_kernel(
     i = tl.arange(0, BLOCK_I)
     x = tl.load(x_ptr + tokens[:, None] * stride_xs + head * stride_xh + d[None, :],
                 mask=row_ok[:, None], other=0.0).to(tl.float32)
-    if ACT_FP8:
-        s_x = _row_scale(x)
-        xq = _to_e4m3(x / s_x[:, None], INTERPRET)
-        s_prev = tl.full([BLOCK_M], 1.0, tl.float32)
-    else:
-        xb = x.to(tl.bfloat16)
+    s_x = _row_scale(x)
+    xq = _to_e4m3(x / s_x[:, None], INTERPRET)
+    s_prev = tl.full([BLOCK_M], 1.0, tl.float32)
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     f32 = f.to(tl.int32)
     for i0 in range(0, I, BLOCK_I):
@@ -117,35 +113,15 @@ def _expert_forward_fp8_kernel(
         wd = wd_desc.load([f32, 0, i0]).reshape(D, BLOCK_I)
         sg = tl.load(sg_ptr + f * I + i0 + i)
         su = tl.load(su_ptr + f * I + i0 + i)
-        if ACT_FP8:
-            g = tl.dot(xq, tl.trans(wg)) * s_x[:, None] * sg[None, :]
-            u = tl.dot(xq, tl.trans(wu)) * s_x[:, None] * su[None, :]
-        else:
-            if INTERPRET:  # the interpreter's bf16 arithmetic is wrong: fp32 of exact values
-                g = tl.dot(x, tl.trans(wg).to(tl.float32)) * sg[None, :]
-                u = tl.dot(x, tl.trans(wu).to(tl.float32)) * su[None, :]
-            else:
-                g = tl.dot(xb, tl.trans(wg).to(tl.bfloat16)) * sg[None, :]
-                u = tl.dot(xb, tl.trans(wu).to(tl.bfloat16)) * su[None, :]
-        g = tl.minimum(g, 7.0)
-        u = tl.minimum(tl.maximum(u, -7.0), 7.0)
-        # g * sigmoid(1.702 g) as in the bf16 kernel: one exp2 and a fast reciprocal.
-        a = tl.fdiv(g, 1.0 + tl.exp2(-2.4554669595930157 * g)) * (u + 1.0)
-        if ACT_FP8:
-            s_a = _row_scale(a)
-            aq = _to_e4m3(a / s_a[:, None], INTERPRET)
-            acc = acc * (s_prev / s_a)[:, None]
-            acc = tl.dot(aq, tl.trans(wd), acc)
-            s_prev = s_a
-        elif INTERPRET:
-            bits = a.to(tl.uint32, bitcast=True)  # a rounded to bf16 (nearest even)
-            a = ((bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000).to(tl.float32,
-                                                                          bitcast=True)
-            acc = tl.dot(a, tl.trans(wd).to(tl.float32), acc)
-        else:
-            acc = tl.dot(a.to(tl.bfloat16), tl.trans(wd).to(tl.bfloat16), acc)
-    if ACT_FP8:
-        acc = acc * s_prev[:, None]
+        g = tl.dot(xq, tl.trans(wg)) * s_x[:, None] * sg[None, :]
+        u = tl.dot(xq, tl.trans(wu)) * s_x[:, None] * su[None, :]
+        a = swiglu7_tile(g, u)
+        s_a = _row_scale(a)
+        aq = _to_e4m3(a / s_a[:, None], INTERPRET)
+        acc = acc * (s_prev / s_a)[:, None]
+        acc = tl.dot(aq, tl.trans(wd), acc)
+        s_prev = s_a
+    acc = acc * s_prev[:, None]
     sd = tl.load(sd_ptr + f * D + d)
     prob = tl.load(probs_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     acc = acc * sd[None, :] * prob[:, None]
@@ -174,20 +150,28 @@ def triton_expert_forward_fp8(
     wg_t, wu_t: [H*E, I, D] e4m3 (W_gate and W_up transposed, contiguous);
     wd_t: [H*E, D, I] e4m3 (W_down transposed, contiguous);
     gate_scale, up_scale: [H*E, I] fp32; down_scale: [H*E, D] fp32.
-    Returns y [S, H, D] bf16. config: force tiles and the multiply (tests; default
-    `tuning.fp8_forward_config` by routes per expert). Inputs are assumed valid
-    (`experts.check_fp8_expert_inputs`); nothing is read back to the host.
+    Returns y [S, H, D] bf16. config: force tiles (tests; default
+    `tuning.fp8_forward_config` by routes per expert). Raises ValueError unless D is a
+    power of two >= 16 (a row is one tile) and the config's block_i divides I (the
+    scale loads are not masked: a partial slice would read the next expert's scales).
+    Inputs are otherwise assumed valid (`experts.check_fp8_expert_inputs`); nothing is
+    read back to the host.
     """
     S, H, D = x_heads.shape
     F, I, _ = wg_t.shape
     E = F // H
     R = gather_ids.numel()
+    interpret = interpreting()
+    if config is None:
+        config = tuning.fp8_forward_config(x_heads.device, R / max(1, F), interpret)
+    if D < 16 or D & (D - 1):
+        raise ValueError(f"triton_expert_forward_fp8: D={D} must be a power of two >= 16")
+    if I % config.block_i:
+        raise ValueError(f"triton_expert_forward_fp8: block_i={config.block_i} must divide "
+                         f"I={I}")
     y = torch.empty(S, H, D, dtype=x_heads.dtype, device=x_heads.device)
     if S == 0 or R == 0:
         return y.zero_()
-    interpret = interpreting()
-    if config is None:
-        config = tuning.fp8_forward_config(x_heads.device, R / F, interpret)
     if x_heads.stride(2) != 1:
         x_heads = x_heads.contiguous()
     gather_ids, sorted_probs, offsets = (
@@ -206,7 +190,7 @@ def triton_expert_forward_fp8(
             gate_scale, up_scale, down_scale, out, groups.slots,
             E, h0 * E, g * E, h0, g, h0 * S * groups.K,
             D=D, I=I, BLOCK_M=config.block_m, BLOCK_I=bi, DETERMINISTIC=deterministic,
-            ACT_FP8=config.act_fp8, INTERPRET=interpret,
+            INTERPRET=interpret,
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
         groups.finish(h0, g, out, interpret)
@@ -214,8 +198,8 @@ def triton_expert_forward_fp8(
 
 
 def sm90_compile_cases() -> list:
-    """This kernel at every sm_90 default tile of `tuning.FP8_FORWARD_SM90`, both
-    modes (`mhmoe.kernels.CompileCase`; MAGI-2's dims)."""
+    """This kernel at every sm_90 default tile of `tuning.FP8_FORWARD_SM90`, default and
+    deterministic (`mhmoe.kernels.CompileCase`; MAGI-2's dims)."""
     from ..config import MAGI2_PREVIEW as M
     from . import CompileCase
 
@@ -225,7 +209,6 @@ def sm90_compile_cases() -> list:
         for det in (False, True):
             cases.append(CompileCase(
                 f"expert forward fp8 {c.block_m}/{c.block_i}/{c.num_warps}/{c.num_stages}"
-                f"{' fp8-act' if c.act_fp8 else ' weight-only'}"
                 f"{' deterministic' if det else ''}",
                 _expert_forward_fp8_kernel,
                 {"x_ptr": "*bf16", "stride_xs": "i32", "stride_xh": "i32",
@@ -239,6 +222,6 @@ def sm90_compile_cases() -> list:
                  "num_experts": "i32", "first_head": "i32", "group_heads": "i32",
                  "slot_base": "i32"},
                 dict(D=D, I=I, BLOCK_M=c.block_m, BLOCK_I=c.block_i, DETERMINISTIC=det,
-                     ACT_FP8=c.act_fp8, INTERPRET=False),
+                     INTERPRET=False),
                 c.num_warps, c.num_stages, ("stride_xs", "stride_xh")))
     return cases

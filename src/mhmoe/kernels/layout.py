@@ -453,7 +453,7 @@ def triton_sort_routes(
     E = num_experts
     if ranks is None:
         # Also without counts: the count-only step, the scan and the ranking scatter
-        # measured faster than "count" (docs/layout.md, "History and measurements").
+        # measured faster than "count" (docs/layout.md, "History and measurements (S = 32,768)").
         ranks = "scatter"
     if ranks not in ("count", "scatter") or (block_counts is not None and ranks != "scatter"):
         raise ValueError(f"triton_sort_routes: ranks must be 'count' or 'scatter' ('scatter' "

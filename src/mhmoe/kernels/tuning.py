@@ -9,6 +9,7 @@ on the device). Tests and benchmarks can pass their own configs instead.
     slot_sum_config()          SlotSumConfig         the expert combine's finishing kernel
     combine_workspace_bytes()  the expert combine's workspace limit (bytes)
     expert_backward_config()   ExpertBackwardConfig  kernels/expert_backward.py
+    fp8_forward_config()       Fp8ForwardConfig      kernels/expert_forward_fp8.py
     logits_route_config()      LogitsRouteConfig     kernels/router_logits.py
     route_tiles(), shortlist_route_tiles()  RouteTiles, ShortlistRouteTiles  kernels/topk.py
     layout_block_t(), layout_chunk(), ..., LAYOUT_SCAN_TILES           kernels/layout.py
@@ -299,49 +300,46 @@ def expert_forward_sm90_config() -> ExpertForwardSm90Config:
 
 @dataclass(frozen=True)
 class Fp8ForwardConfig:
-    """Tiles of the fp8 expert kernel, and how it multiplies.
+    """Tiles of the fp8 expert kernel (fp8 tensor cores: x and the SwiGLU7 output
+    quantized on the fly).
 
-    block_m, block_i, num_warps, num_stages: as `ExpertForwardConfig`'s.
-    act_fp8:    fp8 tensor cores (x and the SwiGLU7 output quantized on the fly);
-                block_i must then be `fp8.ACT_BLOCK`, the activation scale's
-                block (part of the numerics). False: the weights widened to bf16 on
-                chip (weight-only), for few routes per expert.
+    block_m, num_warps, num_stages: as `ExpertForwardConfig`'s.
+    block_i:    must be `fp8.ACT_BLOCK`: the SwiGLU7 output's scales are per row and
+                per slice of block_i columns, so it is part of the numerics.
     """
 
     block_m: int
     block_i: int
     num_warps: int
     num_stages: int
-    act_fp8: bool
 
     def __post_init__(self) -> None:
         check_tiles(self, ("block_m", "block_i"))
         from ..fp8 import ACT_BLOCK
 
-        if self.act_fp8 and self.block_i != ACT_BLOCK:
+        if self.block_i != ACT_BLOCK:
             raise ValueError(f"Fp8ForwardConfig.block_i must be {ACT_BLOCK} (the activation "
-                             f"scale's block) with act_fp8, got {self.block_i}")
+                             f"scale's block), got {self.block_i}")
 
 
-# Mean rows per expert -> tiles, as FORWARD_SM90. The fp8 tensor cores at every size:
-# the weight-only multiply measured slower everywhere; one warpgroup of 64 routes where
-# few routes per expert make the kernel stream weights, two of 128 above. The sweep
-# behind this: docs/fp8.md ("Measured").
+# Mean rows per expert -> tiles, as FORWARD_SM90: one warpgroup of 64 routes where few
+# routes per expert make the kernel stream weights, two of 128 above. (A weight-only
+# multiply measured slower at every size and was removed.) The sweep behind this:
+# docs/fp8.md ("Measured").
 FP8_FORWARD_SM90 = (
-    (96.0, Fp8ForwardConfig(block_m=64, block_i=64, num_warps=4, num_stages=3, act_fp8=True)),
-    (float("inf"), Fp8ForwardConfig(block_m=128, block_i=64, num_warps=8, num_stages=3,
-                                    act_fp8=True)),
+    (96.0, Fp8ForwardConfig(block_m=64, block_i=64, num_warps=4, num_stages=3)),
+    (float("inf"), Fp8ForwardConfig(block_m=128, block_i=64, num_warps=8, num_stages=3)),
 )
 FP8_FORWARD_INTERPRETER = (
-    (float("inf"), Fp8ForwardConfig(block_m=32, block_i=64, num_warps=4, num_stages=1,
-                                    act_fp8=True)),
+    (float("inf"), Fp8ForwardConfig(block_m=32, block_i=64, num_warps=4, num_stages=1)),
 )
 
 
 def fp8_forward_config(device: torch.device, rows_per_expert: float,
                        interpreting: bool = False) -> Fp8ForwardConfig:
-    """The fp8 kernel's tiles and multiply for `rows_per_expert` mean routes per expert
-    (Hopper's table on CUDA: fp8 tensor cores need sm_89 or later)."""
+    """The fp8 kernel's tiles for `rows_per_expert` mean routes per expert (Hopper's
+    table on CUDA; the kernel needs sm_89 or later, which `experts.fp8_kernel_problem`
+    checks before it runs)."""
     table = FP8_FORWARD_INTERPRETER if interpreting or device.type != "cuda" \
         else FP8_FORWARD_SM90
     return pick(table, rows_per_expert)
@@ -448,7 +446,7 @@ def logits_route_config(device: torch.device, interpreting: bool = False) -> Log
 # the weight split of kernels/router_logits.py. Their tiles do not depend on the
 # architecture (no tensor cores); they do on the interpreter, whose cost is per program
 # and per op, so it takes whole blocks. Why each value: docs/routing.md ("Packed keys",
-# "Shortlists") and docs/layout.md ("History and measurements").
+# "Shortlists") and docs/layout.md ("History and measurements (S = 32,768)").
 
 
 def interpreting() -> bool:
