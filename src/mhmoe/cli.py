@@ -455,16 +455,17 @@ class SliceCheck:
 
 class _DequantizedExperts:
     """W_fp8 * scale of an fp8 expert weight [F, K, N] (scale [F, N]) as
-    `moe_reference_float64` reads a weight (its shape, and [f]): one expert at a time,
-    float64 on the CPU, never the whole layer (8x its fp8 bytes)."""
+    `moe_reference_float64` reads a weight (its shape, device, and [f]): one expert at a
+    time, in float64, never the whole layer (8x its fp8 bytes)."""
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor) -> None:
-        self.weight, self.scale, self.shape = weight, scale, weight.shape
+        self.weight, self.scale = weight, scale
+        self.shape, self.device = weight.shape, weight.device
 
     def __getitem__(self, f: int) -> torch.Tensor:
         import torch
 
-        return self.weight[f].to("cpu", torch.float64) * self.scale[f].to("cpu", torch.float64)
+        return self.weight[f].to(torch.float64) * self.scale[f].to(torch.float64)
 
 
 def check_slice(layer, x: torch.Tensor, y: torch.Tensor, tokens: int) -> SliceCheck:
@@ -650,7 +651,8 @@ def _demo_train(args) -> int:
         teacher = _seeded_layer(config, device, args.seed, args.backend)
         student = _seeded_layer(config, device, args.seed + 100, args.backend)
     trainable = [p for p in student.parameters() if p.requires_grad]
-    opt = torch.optim.Adam(trainable, lr=args.lr)
+    # One fused kernel a step on a GPU, as a user training there would ask for.
+    opt = torch.optim.Adam(trainable, lr=args.lr, fused=cuda)
     gen = torch.Generator(device=device).manual_seed(args.seed + 1)
     tokens = args.tokens if args.tokens is not None else (4096 if args.full and cuda else 64)
     losses, step_ms = [], []

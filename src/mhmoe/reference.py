@@ -228,25 +228,31 @@ def moe_reference_float64(
     returns [S, H, D] float64 on the CPU. No rounding of the activation: this is
     the exact formula the low-precision paths approximate. Only the experts the
     routes use are upcast, so a few tokens can be checked against a 6 GB layer.
+    The math runs on the weights' device (float64 GEMMs are exact enough on a GPU too,
+    and copying thousands of experts' weights to the CPU one by one took minutes).
     """
     S, H, D = x_heads.shape
     E = w_gate.shape[0] // H
     K = indices.shape[-1]
-    x64 = x_heads.detach().to("cpu", torch.float64)
-    flat = (indices.detach().to("cpu", torch.int64)
-            + torch.arange(H).view(H, 1, 1) * E).reshape(-1)
-    p64 = probs.detach().to("cpu", torch.float64).reshape(-1)
-    out = torch.zeros(S * H, D, dtype=torch.float64)
-    for f in torch.unique(flat).tolist():
-        routes = (flat == f).nonzero().flatten()
+    device = w_gate.device
+    x64 = x_heads.detach().to(device, torch.float64)
+    flat = (indices.detach().to(device, torch.int64)
+            + torch.arange(H, device=device).view(H, 1, 1) * E).reshape(-1)
+    p64 = probs.detach().to(device, torch.float64).reshape(-1)
+    out = torch.zeros(S * H, D, dtype=torch.float64, device=device)
+    order = torch.argsort(flat, stable=True)
+    experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
+    starts = torch.cumsum(counts, 0) - counts
+    for f, start, count in zip(experts.tolist(), starts.tolist(), counts.tolist(), strict=True):
+        routes = order[start:start + count]
         head = f // E
         tokens = torch.div(routes, K, rounding_mode="floor") % S
         xe = x64[tokens, head]
-        g = xe @ w_gate[f].detach().to("cpu", torch.float64)
-        u = xe @ w_up[f].detach().to("cpu", torch.float64)
-        o = swiglu7_reference(g, u) @ w_down[f].detach().to("cpu", torch.float64)
+        g = xe @ w_gate[f].detach().to(torch.float64)
+        u = xe @ w_up[f].detach().to(torch.float64)
+        o = swiglu7_reference(g, u) @ w_down[f].detach().to(torch.float64)
         out.index_add_(0, tokens * H + head, o * p64[routes, None])
-    return out.view(S, H, D)
+    return out.view(S, H, D).cpu()
 
 
 @exact_precision
