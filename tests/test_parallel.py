@@ -66,25 +66,58 @@ def test_token_counts_are_checked():
 
 def test_multi_gpu_benchmark_script_dry_run_on_cpu(tmp_path):
     # benchmarks/bench_parallel.py is the multi-GPU (NCCL) benchmark; --cpu runs the same
-    # script over gloo, so the script itself is exercised here without GPUs.
+    # script over gloo, so the script itself is exercised here without GPUs: two world
+    # sizes, two token counts a rank, the loading measurement and the scaling table.
     import os
     import subprocess
     import sys
     from pathlib import Path
 
+    from mhmoe.checkpoint import save_checkpoint
+
     root = Path(__file__).resolve().parents[1]
-    out = tmp_path / "parallel.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(root / "benchmarks" / "bench_parallel.py"), "--cpu", "--tokens", "24",
-         "--experts", "2", "--runs", "1", "--out", str(out)],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    data = json.loads(out.read_text())
-    assert data["world"] == 2 and [r["rank"] for r in data["rows"]] == [0, 1]
-    for row in data["rows"]:
-        assert row["max_abs_diff"] <= 1e-2 * max(row["max_abs_ref"], 1e-6)
-        assert row["plain_alltoall_ms"] > 0 and row["dispatch_ms"] > 0
+    script = str(root / "benchmarks" / "bench_parallel.py")
+    cfg = mhmoe.MAGI2_PREVIEW.replace(num_experts=2, top_k=2, params_dtype=torch.float32)
+    layers = {index: mhmoe.MultiHeadMoE(cfg) for index in (0, 1)}
+    save_checkpoint(tmp_path / "ckpt", layers, config=cfg)
+    layer_bytes = sum(t.numel() * t.element_size() for t in layers[0].state_dict().values())
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for world in (1, 3):
+        out = tmp_path / f"parallel_w{world}.json"
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+             str(world), script, "--cpu", "--tokens-per-rank", "6,8", "--experts", "2",
+             "--runs", "1", "--check-tokens", "4", "--checkpoint", str(tmp_path / "ckpt"),
+             "--out", str(out)],
+            capture_output=True, text=True, timeout=300, env=env)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "checks against one process: ok" in proc.stdout, proc.stdout
+        data = json.loads(out.read_text())
+        assert data["world"] == world and data["checks_ok"]
+        rows = data["rows"]
+        assert [(r["tokens"], r["rank"]) for r in rows] == \
+            [(S, r) for S in (6, 8) for r in range(world)]
+        for row in rows:
+            part = HeadPartition(12, world, row["rank"])
+            assert row["real_heads"] == part.real_heads
+            assert row["alltoall_bytes"] == row["tokens"] * part.padded_heads * 256 * 4
+            assert row["max_abs_diff"] <= 1e-2 * max(row["max_abs_ref"], 1e-6)
+            assert row["det_y_bitwise"] and row["det_dx_bitwise"]
+            for part_name in ("dispatch", "experts", "undispatch", "layer"):
+                assert row[f"{part_name}_ms"] > 0 and row[f"{part_name}_fwd_bwd_ms"] > 0
+            assert all(v <= 1e-5 for k, v in row.items() if k.endswith("_rel_err"))
+            assert row["plain_alltoall_ms"] > 0
+        # Loading, measured at the first token count: each rank reads its own rows of
+        # both layers (of 12 heads x 2 experts), no more.
+        for row in rows[:world]:
+            part = HeadPartition(12, world, row["rank"])
+            assert row["load_layers"] == [0, 1]
+            assert row["load_bytes"] == 2 * layer_bytes * part.real_heads // 12
+    table = subprocess.run([sys.executable, script, "--summarize", str(tmp_path)],
+                           capture_output=True, text=True, timeout=120, env=env)
+    assert table.returncode == 0, table.stdout + table.stderr
+    assert [line.split()[:2] for line in table.stdout.splitlines()[1:]] == \
+        [["1", "6"], ["1", "8"], ["3", "6"], ["3", "8"]]
 
 
 @pytest.mark.parametrize("world", [3, 8])
