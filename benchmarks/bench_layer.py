@@ -2,6 +2,7 @@
 
     PYTHONPATH=src python3 benchmarks/bench_layer.py [--tokens 1024,32768] [--no-record]
         [--routing uniform,skewed,hot]
+    PYTHONPATH=src python3 benchmarks/bench_layer.py --profile 32768
 
 For each token count: the published-style routing and layout (fp32 logits,
 sigmoid, bias, torch.topk, normalisation, argsort + bincount), our routing
@@ -13,7 +14,9 @@ beyond its inputs, the parameters and the gradients. `--routing` adds skewed rou
 (`skew_router`: a quarter of each head's experts take half of its routes; one hot
 expert per head takes every token of its head), timed for the layer forward and
 forward+backward (eager, default mode). The bf16 8192^3 matmul and a device
-copy are measured in the same run. Medians of `do_bench` (mhmoe.bench.bench_ms).
+copy are measured in the same run. `--profile S` instead prints torch.profiler's table of
+the GPU kernels of forward+backward at S tokens (where the time goes; nothing recorded).
+Medians of `do_bench` (mhmoe.bench.bench_ms).
 Rows go to benchmarks/results.jsonl unless --no-record; --out also writes the
 run as one JSON file.
 """
@@ -217,6 +220,32 @@ ROWS = (
 )
 
 
+def profile(layer, S: int, device: torch.device, steps: int = 3) -> None:
+    """torch.profiler's per-kernel table of `steps` forward+backward passes at S tokens."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    cfg = layer.config
+    gen = torch.Generator(device=device).manual_seed(S)
+    x = torch.randn(S, cfg.hidden_size, device=device, generator=gen).bfloat16()
+    dy = torch.randn(S, cfg.hidden_size, device=device, generator=gen).bfloat16()
+    params = [p for p in layer.parameters() if p.requires_grad]
+    xg = x.clone().requires_grad_(True)
+
+    def fwd_bwd():
+        return torch.autograd.grad(layer(xg), [xg, *params], dy)
+
+    fwd_bwd()  # compile outside the profile
+    torch.cuda.synchronize(device)
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fwd_bwd()
+        torch.cuda.synchronize(device)
+    print(f"S={S}: forward+backward x {steps}, GPU kernels by total time")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30,
+                                    max_name_column_width=70))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default="1024,4096,16384,32768")
@@ -224,6 +253,9 @@ def main() -> int:
                         help=f"comma-separated routings of {ROUTINGS}: uniform gives the "
                         "whole table, the others the layer forward and forward+backward")
     parser.add_argument("--out", default=None, help="also write the run as one JSON file")
+    parser.add_argument("--profile", type=int, default=None, metavar="S",
+                        help="print the profiler's kernel table of forward+backward at S "
+                        "tokens and exit")
     parser.add_argument("--no-record", action="store_true",
                         help="do not append rows to benchmarks/results.jsonl")
     args = parser.parse_args()
@@ -235,6 +267,9 @@ def main() -> int:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)  # fail before the sweep
     device = torch.device("cuda")
     layer = magi2_layer(device)
+    if args.profile:
+        profile(layer, args.profile, device)
+        return 0
     cfg = layer.config
     env = environment(device)
     peaks = measured_peaks(device)
