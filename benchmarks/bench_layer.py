@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -92,7 +93,7 @@ def skew_router(layer, routing: str, x_heads: torch.Tensor) -> float:
     """
     cfg = layer.config
     H, E = cfg.num_heads, cfg.num_experts
-    bias = layer.router.expert_bias_ema.view(H, E)
+    bias = layer.selection_bias().view(H, E)  # the bias selection reads (ema or main)
     device = x_heads.device
     with torch.no_grad():
         bias.zero_()
@@ -120,7 +121,7 @@ def measure_skewed(layer, S: int, routing: str, device: torch.device) -> dict:
     gen = torch.Generator(device=device).manual_seed(S)
     x = torch.randn(S, cfg.hidden_size, device=device, generator=gen).bfloat16()
     dy = torch.randn(S, cfg.hidden_size, device=device, generator=gen).bfloat16()
-    saved = layer.router.expert_bias_ema.detach().clone()
+    saved = layer.selection_bias().detach().clone()
     share = skew_router(layer, routing, x.view(S, cfg.num_heads, cfg.head_dim))
     params = [p for p in layer.parameters() if p.requires_grad]
     xg = x.clone().requires_grad_(True)
@@ -130,7 +131,7 @@ def measure_skewed(layer, S: int, routing: str, device: torch.device) -> dict:
         fwd_bwd_ms = bench_ms(lambda: torch.autograd.grad(layer(xg), [xg, *params], dy))
     finally:
         with torch.no_grad():
-            layer.router.expert_bias_ema.copy_(saved)
+            layer.selection_bias().copy_(saved)
     return {"tokens": S, "routing": routing, "favoured_share": share,
             "layer_ms": layer_ms, "layer_fwd_bwd_ms": fwd_bwd_ms}
 
@@ -259,6 +260,9 @@ def main() -> int:
     parser.add_argument("--no-record", action="store_true",
                         help="do not append rows to benchmarks/results.jsonl")
     args = parser.parse_args()
+    if os.environ.get("MAGI2_DETERMINISTIC"):
+        parser.error("unset MAGI2_DETERMINISTIC: it would override the modes this benchmark "
+                     "sets itself (default and deterministic)")
     tokens = [int(t) for t in args.tokens.split(",")]
     routings = args.routing.split(",")
     if not set(routings) <= set(ROUTINGS):
@@ -315,7 +319,7 @@ def main() -> int:
                               tflops=tflops(r["tokens"], r[col], mult), command=command,
                               **({"extra_gb": r[f"{'det_' if 'deterministic' in variant else ''}"
                                                 f"fwd_bwd_extra_gb"]}
-                                 if kernel == "layer_fwd_bwd" else {}), **peaks)
+                                 if col.endswith("layer_fwd_bwd_ms") else {}), **peaks)
                    for r in rows for col, kernel, variant, mult in ROWS if r[col] is not None]
         results += [result_row(kernel, r["routing"], r["tokens"], r[col], env=env,
                                tflops=tflops(r["tokens"], r[col], mult), command=command,

@@ -10,11 +10,15 @@
 # benchmarks/results.jsonl; exits non-zero if a check against one process failed.
 # World size 1 is the baseline the scaling table compares with.
 set -euo pipefail
-cd "$(dirname "$0")/.."
 out=${1:?usage: benchmarks/run_parallel.sh OUT_DIR [TOKENS_PER_RANK] [CHECKPOINT_DIR]}
 tokens=${2:-4096,32768}
 ckpt=${3:-}
+# The paths as the caller gave them, before moving to the repository root.
+out=$(realpath -m -- "$out")
+[[ -n $ckpt ]] && ckpt=$(realpath -m -- "$ckpt")
+cd "$(dirname "$0")/.."
 mkdir -p "$out"
+rm -f "$out"/parallel_w*.json  # the scaling table reads this run's files only
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 # NVLink multicast stays off (the machines require it).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -31,7 +35,7 @@ for world in 1 2 4 8; do
     if (( world > gpus )); then break; fi
     echo "== world size $world =="
     torchrun --standalone --nproc-per-node "$world" benchmarks/bench_parallel.py \
-        --tokens-per-rank "$tokens" --out "$out/parallel_w${world}.json" "${load[@]}" \
+        --tokens-per-rank "$tokens" --out "$out/parallel_w${world}.json" ${load[@]+"${load[@]}"} \
         || status=1
 done
 python3 benchmarks/bench_parallel.py --summarize "$out"

@@ -689,7 +689,7 @@ def _demo_train(args) -> int:
     median = statistics.median(timed)
     tflops = 3 * config.expert_flops(tokens) / (median * 1e-3) / 1e12
     _say(f"step time {median:.2f} ms (median of {len(timed)} steps: forward, backward, Adam), "
-         f"{tflops:.3f} TFLOP/s counted as 3x the experts' forward FLOPs")
+         f"{tflops:.4g} TFLOP/s counted as 3x the experts' forward FLOPs")
     fell = losses[-1] < 0.8 * losses[0]
     _say(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} "
          f"({100 * (1 - losses[-1] / losses[0]):.0f}% lower): ",
