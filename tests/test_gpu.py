@@ -627,33 +627,3 @@ def test_torch_compile_fullgraph_forward_and_backward_cuda():
     for got, want in zip(results[1], results[0], strict=True):
         assert got.shape == want.shape and got.dtype == want.dtype
         assert rel_err(got, want) < 4e-3  # under one bf16 rounding (2**-8) per element
-
-
-def test_magi2_dropin_at_full_size_matches_the_standin():
-    # The drop-in on the GPU at MAGI-2's size: a stand-in of the published module (its
-    # plain PyTorch forward, tests/magi2_standin.py) accelerated in place, against its own
-    # forward and autograd, outputs and every gradient (the CPU tests' bf16 bound).
-    from magi2_standin import Magi2MultiHeadMoE, Magi2MultiHeadMoEConfig
-    from mhmoe.integrations import magi2
-    from test_integrations_magi2 import TOL, compare, forward_backward
-
-    cfg = Magi2MultiHeadMoEConfig(MAGI2.hidden_size, MAGI2.num_heads, MAGI2.num_experts,
-                                  MAGI2.top_k, MAGI2.expert_intermediate_size, torch.bfloat16,
-                                  route_scale=2.5)
-    with torch.device("cuda"):
-        module = Magi2MultiHeadMoE(cfg)
-    gen = torch.Generator(device="cuda").manual_seed(31)
-    D, I = module.d_head, module.d_expert
-    scale = {"gate": D ** -0.5, "W_gate": D ** -0.5, "W_up": D ** -0.5, "W_down": I ** -0.5,
-             "router.expert_bias": 0.01, "router.expert_bias_ema": 0.01}
-    with torch.no_grad():
-        for name, param in module.named_parameters():
-            param.copy_(torch.randn(param.shape, device="cuda", generator=gen) * scale[name])
-    x = torch.randn(128, cfg.hidden_size, device="cuda", generator=gen).bfloat16()
-    cotangent = torch.randn(128, cfg.hidden_size, device="cuda", generator=gen)
-    want = forward_backward(module, x, cotangent)
-    assert magi2.accelerate(module) == 1
-    got = forward_backward(module, x, cotangent)
-    diffs = compare(got, want)
-    assert max(diffs.values()) <= TOL[torch.bfloat16], diffs
-    assert magi2.restore(module) == 1
