@@ -47,10 +47,13 @@ import mhmoe
 from mhmoe.bench import (
     append_results,
     bench_ms,
+    call_peak_bytes,
     environment,
     interleaved,
     measured_peaks,
+    rel_err,
     result_row,
+    tensor_bytes,
     time_fn,
 )
 from mhmoe.kernels.expert_backward import triton_expert_backward
@@ -107,10 +110,6 @@ def make_problem(st: Setup, S: int, gen: torch.Generator):
     return x, dy, mhmoe.sort_routes(probs, indices, st.E)
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
-
-
 def checks(st: Setup, gen, weights) -> dict:
     """Per-gradient relative error at check_s against fp32 autograd; repeatability."""
     x, dy, layout = make_problem(st, st.check_s, gen)
@@ -162,14 +161,8 @@ def time_size(st: Setup, S: int, gen, weights, det: bool) -> dict:
     row["extra_gb"] = float("nan")
     if st.device == "cuda":
         # Peak memory beyond inputs, parameters, the output and the gradients.
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        y = fwd()
-        grads = bwd()
-        torch.cuda.synchronize()
-        kept = sum(t.numel() * t.element_size() for t in (y, *grads))
-        row["extra_gb"] = (torch.cuda.max_memory_allocated() - base - kept) / 1e9
+        peak, (y, grads) = call_peak_bytes(lambda: (fwd(), bwd()), st.device)
+        row["extra_gb"] = (peak - tensor_bytes((y, *grads))) / 1e9
     return row
 
 

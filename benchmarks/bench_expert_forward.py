@@ -48,10 +48,12 @@ import mhmoe
 from mhmoe.bench import (
     append_results,
     bench_ms,
+    call_peak_bytes,
     environment,
     graph_ms,
     interleaved,
     measured_peaks,
+    rel_err,
     result_row,
     time_fn,
 )
@@ -98,10 +100,6 @@ def make_routes(st: Setup, S: int, gen: torch.Generator, skew: bool):
     indices = scores.topk(st.K, dim=-1).indices
     probs = torch.rand(st.H, S, st.K, device=st.device, generator=gen) + 0.1
     return probs / probs.sum(-1, keepdim=True) * 4.9, indices
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 def parse_config(spec: str) -> ExpertForwardConfig:
@@ -187,12 +185,7 @@ def extra_memory_gb(st: Setup, fn) -> float:
     """Peak memory one call allocates beyond what was allocated before it, in GB."""
     if st.device != "cuda":
         return float("nan")
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 1e9
+    return call_peak_bytes(fn, st.device)[0] / 1e9
 
 
 def time_size(st: Setup, S: int, gen, weights, sweep: list[ExpertForwardConfig],

@@ -17,17 +17,19 @@ import argparse
 import torch
 
 from mhmoe import MAGI2_PREVIEW as M
-from mhmoe.bench import append_results, environment, interleaved, matmul_peak_tflops, result_row
+from mhmoe.bench import (
+    append_results,
+    environment,
+    interleaved,
+    matmul_peak_tflops,
+    rel_err,
+    result_row,
+)
 from mhmoe.fp8 import fp8_expert_reference, quantize_weights
 from mhmoe.kernels.expert_forward import triton_expert_forward
 from mhmoe.kernels.expert_forward_fp8 import triton_expert_forward_fp8
 from mhmoe.kernels.tuning import fp8_forward_config
 from mhmoe.reference import sort_routes_reference
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm()).item()
 
 
 def main() -> int:

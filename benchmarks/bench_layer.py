@@ -35,10 +35,12 @@ import mhmoe
 from mhmoe.bench import (
     append_results,
     bench_ms,
+    call_peak_bytes,
     capture_graph,
     environment,
     measured_peaks,
     result_row,
+    tensor_bytes,
 )
 
 
@@ -136,19 +138,6 @@ def measure_skewed(layer, S: int, routing: str, device: torch.device) -> dict:
             "layer_ms": layer_ms, "layer_fwd_bwd_ms": fwd_bwd_ms}
 
 
-def fwd_bwd_extra_bytes(fwd_bwd, grads_bytes: int, device: torch.device) -> int:
-    """Peak memory one forward+backward allocates beyond what was held before it and the
-    gradients it returns (`grads_bytes`): its workspaces and saved activations."""
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    before = torch.cuda.memory_allocated(device)
-    grads = fwd_bwd()
-    torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device)
-    del grads
-    return peak - before - grads_bytes
-
-
 def measure(layer, S: int, device: torch.device) -> dict:
     """One token count: every time of the table, medians in ms."""
     cfg = layer.config
@@ -173,7 +162,6 @@ def measure(layer, S: int, device: torch.device) -> dict:
     def fwd_bwd():
         return torch.autograd.grad(layer(xg), [xg, *params], dy)
 
-    grads_bytes = sum(t.numel() * t.element_size() for t in (xg, *params))
     for det in (False, True):
         tag = "det_" if det else ""
         layer.config = cfg.replace(deterministic=det)
@@ -185,7 +173,11 @@ def measure(layer, S: int, device: torch.device) -> dict:
             row[f"{tag}layer_graph_ms"] = bench_ms(graph.replay)
             del graph
         row[f"{tag}layer_fwd_bwd_ms"] = bench_ms(fwd_bwd)
-        row[f"{tag}fwd_bwd_extra_gb"] = fwd_bwd_extra_bytes(fwd_bwd, grads_bytes, device) / 1e9
+        # Peak memory beyond what was held before (inputs, parameters) and the gradients
+        # returned: the workspaces and saved activations of one forward+backward.
+        peak, grads = call_peak_bytes(fwd_bwd, device)
+        row[f"{tag}fwd_bwd_extra_gb"] = (peak - tensor_bytes(grads)) / 1e9
+        del grads
         try:
             graph, _ = capture_graph(fwd_bwd)
         except RuntimeError as err:  # reported, and the column left empty

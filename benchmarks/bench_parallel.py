@@ -42,7 +42,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from mhmoe import MAGI2_PREVIEW, MultiHeadMoE
-from mhmoe.bench import append_results, environment, result_row
+from mhmoe.bench import append_results, environment, rel_err, result_row
 from mhmoe.parallel import HeadPartition, dispatch, shard_state_dict, undispatch
 
 PARTS = ("dispatch", "experts", "undispatch", "layer")
@@ -142,11 +142,6 @@ def plain_alltoall_ms(counts: list[int], width: int, device: torch.device, runs:
     recv = torch.empty(sum(counts), width, device=device, dtype=dtype)
     return median_ms(lambda: dist.all_to_all_single(recv, send, counts, [counts[rank]] * world),
                      device, runs)
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double().cpu(), b.double().cpu()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item() if b.numel() else 0.0
 
 
 def forward_check(full: MultiHeadMoE, layer: MultiHeadMoE, x_all: torch.Tensor,

@@ -53,6 +53,7 @@ from mhmoe.bench import (
     graph_ms,
     interleaved,
     measured_peaks,
+    rel_err,
     result_row,
     time_fn,
 )
@@ -243,11 +244,6 @@ def compare(st: Setup, p, i, ref_logits, bias, score_func) -> dict:
             "index_mismatch": int((differ & ~ties).sum()),
             "index_mismatch_any": int(differ.sum()),
             "probs_max_rel": rel[~differ].max().item() if (~differ).any() else None}
-
-
-def rel_err(a, b) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
 
 
 def tag(cfg: LogitsRouteConfig) -> str:

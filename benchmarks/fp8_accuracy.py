@@ -38,12 +38,8 @@ import json
 import torch
 
 import mhmoe
+from mhmoe.bench import rel_err
 from mhmoe.reference import moe_reference_float64
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm()).item()
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -3,9 +3,18 @@
 import json
 
 import pytest
+import torch
 
 import mhmoe
-from mhmoe.bench import BenchRow, expert_tflops, plot_results, time_fn, write_results
+from mhmoe.bench import (
+    BenchRow,
+    expert_tflops,
+    plot_results,
+    rel_err,
+    tensor_bytes,
+    time_fn,
+    write_results,
+)
 
 
 def test_time_fn_median_and_repeats():
@@ -13,6 +22,15 @@ def test_time_fn_median_and_repeats():
     timing = time_fn(lambda: calls.append(1), warmup=2, runs=5)
     assert len(calls) == 7 and timing.runs == 5
     assert 0 <= timing.min_ms <= timing.median_ms <= timing.max_ms
+
+
+def test_rel_err_and_tensor_bytes_by_hand():
+    # out - ref = (0, 4) and ||ref|| = 3: 4/3
+    ref = torch.tensor([3.0, 0.0])
+    assert rel_err(torch.tensor([3.0, 4.0], dtype=torch.bfloat16), ref) == pytest.approx(4 / 3)
+    assert rel_err(ref, ref) == 0.0
+    assert rel_err(torch.empty(0), torch.empty(0)) == 0.0
+    assert tensor_bytes([torch.zeros(3, 2, dtype=torch.bfloat16), torch.zeros(5)]) == 12 + 20
 
 
 def test_expert_tflops_by_hand():

@@ -10,6 +10,8 @@ scripts in benchmarks/ count FLOPs and time kernels the same way:
     interleaved([(name, fn), ...])   variants taking turns in shuffled rounds, for A/Bs
                                      under the H200's power cap (docs/measuring.md)
     append_results(rows)             rows appended to benchmarks/results.jsonl
+    rel_err(out, ref)                relative error (Frobenius norms) in float64
+    call_peak_bytes(fn, device)      peak CUDA memory one call allocates, and its result
 
 A result row (`result_row`) holds what it takes to trust and reproduce a
 number: kernel, variant, tokens, ms, TFLOP/s, GPU, versions, commit and date.
@@ -80,6 +82,32 @@ def time_fn(fn: Callable[[], object], *, device: torch.device | str = "cpu", war
         if len(times) >= 10_000:
             break
     return Timing(statistics.median(times), min(times), max(times), len(times))
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| (Frobenius norms) in float64 on ref's device; 0 for empty
+    tensors."""
+    if ref.numel() == 0:
+        return 0.0
+    ref = ref.detach().double()
+    out = out.detach().to(ref.device, torch.float64)
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def call_peak_bytes(fn: Callable[[], object], device: torch.device | str) -> tuple[int, object]:
+    """(peak CUDA memory that one call of fn allocates beyond what was allocated before
+    it, fn's result). The result's own bytes are part of the peak: a caller that wants
+    only workspaces subtracts them."""
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    result = fn()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - base, result
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def bench_ms(fn: Callable[[], object], *, warmup: int = 25, rep: int = 100) -> float:

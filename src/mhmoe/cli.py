@@ -476,6 +476,7 @@ def check_slice(layer, x: torch.Tensor, y: torch.Tensor, tokens: int) -> SliceCh
     a larger run checks that run."""
     import torch
 
+    from .bench import rel_err
     from .fp8 import SCALE_NAMES
     from .reference import moe_reference_float64
 
@@ -498,9 +499,7 @@ def check_slice(layer, x: torch.Tensor, y: torch.Tensor, tokens: int) -> SliceCh
         weights = [layer.W_gate, layer.W_up, layer.W_down]
         against, bound, note = "float64", REL_ERR_OK, "bf16 lands near 1e-3..1e-2"
     ref = moe_reference_float64(x_heads, probs, indices, *weights)
-    out = y_heads.to("cpu", torch.float64)
-    error = ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-    return SliceCheck(error, bound, against, note)
+    return SliceCheck(rel_err(y_heads, ref), bound, against, note)
 
 
 def fp8_twin_error(layer, x_heads: torch.Tensor, y_heads: torch.Tensor) -> float:
@@ -508,6 +507,7 @@ def fp8_twin_error(layer, x_heads: torch.Tensor, y_heads: torch.Tensor) -> float
     float64 twin of its quantized computation (`mhmoe.fp8.fp8_expert_reference`)."""
     import torch
 
+    from .bench import rel_err
     from .fp8 import Fp8Weights, fp8_expert_reference
 
     with torch.no_grad():
@@ -515,7 +515,7 @@ def fp8_twin_error(layer, x_heads: torch.Tensor, y_heads: torch.Tensor) -> float
         weights = Fp8Weights(layer.W_gate, layer.W_up, layer.W_down, layer.W_gate_scale,
                              layer.W_up_scale, layer.W_down_scale)
         twin = fp8_expert_reference(x_heads, *layout, weights)
-    return ((y_heads.double() - twin).norm() / twin.norm().clamp_min(1e-30)).item()
+    return rel_err(y_heads, twin)
 
 
 # ---------------------------------------------------------------------------------------
