@@ -206,12 +206,15 @@ def measure_loading(path: str, device: torch.device) -> dict:
             "load_GBps": nbytes / seconds / 1e9 if seconds > 0 else None}
 
 
-def measure(config, S: int, args, device: torch.device) -> dict:
-    world, rank = dist.get_world_size(), dist.get_rank()
-    partition = HeadPartition(config.num_heads, world, rank)
+def measure(full: MultiHeadMoE, layer: MultiHeadMoE, S: int, args,
+            device: torch.device) -> dict:
+    """Every number of one S on this rank: `full` is the one-process layer, `layer` this
+    rank's shard of it."""
+    for m in (full, layer):  # the checks of the previous S left deterministic mode on
+        m.config = m.config.replace(deterministic=False)
+    config, partition = layer.config, layer.partition
+    world, rank = partition.world_size, partition.rank
     counts = [S] * world
-    full = seeded_layer(config, args.seed, device)
-    layer = rank_layer(full, config, partition, device)
     width = config.hidden_size
     x_all = inputs(args.seed + 1000, S * world, width, device, config.params_dtype)
     x = x_all[rank * S:(rank + 1) * S]
@@ -342,9 +345,13 @@ def main() -> int:
                                    top_k=min(MAGI2_PREVIEW.top_k, args.experts))
     if args.cpu:  # the PyTorch path on the CPU; bf16 there would only measure rounding
         config = config.replace(params_dtype=torch.float32)
+    # Built once for every S: the full layer is 6 GB at MAGI-2's size.
+    full = seeded_layer(config, args.seed, device)
+    layer = rank_layer(full, config, HeadPartition(config.num_heads, dist.get_world_size(),
+                                                   dist.get_rank()), device)
     rows = []
     for S in sizes:
-        row = measure(config, S, args, device)
+        row = measure(full, layer, S, args, device)
         if args.checkpoint and S == sizes[0]:
             row |= measure_loading(args.checkpoint, device)
         gathered: list[dict | None] = [None] * dist.get_world_size()
