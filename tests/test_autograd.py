@@ -96,9 +96,12 @@ def test_opcheck_registration(rng):
     torch.library.opcheck(_expert_forward_op, args)
 
 
-@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
-def test_torch_compile_fullgraph_forward_and_backward(rng, compiler):
-    cfg = mhmoe.MultiHeadMoEConfig(32, 2, 4, 2, 16, params_dtype=torch.float32, route_scale=3.0)
+@pytest.mark.parametrize("compiler,deterministic", [("aot_eager", False), ("inductor", False),
+                                                    ("inductor", True)])
+def test_torch_compile_fullgraph_forward_and_backward(rng, compiler, deterministic):
+    # deterministic: the router's backward sorts tokens by content keys inside the graph
+    cfg = mhmoe.MultiHeadMoEConfig(32, 2, 4, 2, 16, params_dtype=torch.float32, route_scale=3.0,
+                                   deterministic=deterministic)
     layer = mhmoe.MultiHeadMoE(cfg)
     layer.reset_parameters(generator=rng)
     compiled = torch.compile(layer, fullgraph=True, backend=compiler)
@@ -113,10 +116,12 @@ def test_torch_compile_fullgraph_forward_and_backward(rng, compiler):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
-def test_torch_compile_with_the_triton_ops(rng):
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_torch_compile_with_the_triton_ops(rng, deterministic):
     # Every op on its Triton path (the interpreter here) inside one compiled graph:
     # the fake implementations and the registered backwards of all three ops.
-    cfg = mhmoe.MultiHeadMoEConfig(32, 2, 4, 2, 32, params_dtype=torch.float32, route_scale=3.0)
+    cfg = mhmoe.MultiHeadMoEConfig(32, 2, 4, 2, 32, params_dtype=torch.float32, route_scale=3.0,
+                                   deterministic=deterministic)
     layer = mhmoe.MultiHeadMoE(cfg, backend="triton")
     layer.reset_parameters(generator=rng)
     compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")

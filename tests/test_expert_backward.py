@@ -267,9 +267,10 @@ def test_head_groups(rng, monkeypatch, deterministic, D):
 
 
 def test_deterministic_bitwise(rng):
-    # Bitwise equal run to run; under a token permutation dx and dprobs permute
-    # bitwise, while the weight gradients (sums over an expert's tokens in token
-    # order) agree up to rounding.
+    # The kernels alone: bitwise equal run to run; under a token permutation dx and
+    # dprobs permute bitwise, while the weight gradients (sums over an expert's routes
+    # in layout order) agree up to rounding. The op hands the kernels a layout in
+    # content order, which makes them bitwise too (tests/test_experts.py).
     S, H, E, K = 12, 2, 4, 3
     x, probs, indices, wg, wu, wd, dy = make_problem(rng, S, H, E, K, 32, 32)
     first = run(x, probs, indices, wg, wu, wd, dy, deterministic=True, config=BIG)

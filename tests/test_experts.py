@@ -127,6 +127,68 @@ def test_expert_forward_is_independent_of_token_order(rng):
     assert torch.equal(again, y)
 
 
+def _gradients(x, probs, indices, weights, dy, E, backend):
+    """d x, d probs [H, S, K] and the three weight gradients of one deterministic call."""
+    x = x.detach().requires_grad_()
+    probs = probs.detach().requires_grad_()
+    weights = [w.detach().requires_grad_() for w in weights]
+    y = mhmoe.expert_forward(x, *mhmoe.sort_routes(probs, indices, E), *weights,
+                             deterministic=True, backend=backend)
+    return torch.autograd.grad(y, [x, probs, *weights], dy)
+
+
+@pytest.mark.parametrize("backend,dtype", [
+    ("torch", torch.float32),  # float32 sums that a bf16 result would round away
+    # float32: the interpreter's bf16 dots add the panel rows without a rounding that
+    # depends on their order, so only float32 data shows a wrong order on the CPU.
+    ("triton", torch.float32),
+    ("triton", torch.bfloat16),
+])
+def test_deterministic_gradients_are_independent_of_token_order(rng, backend, dtype):
+    # Every gradient, the weight gradients included: they sum each expert's routes in the
+    # order of the routes' content, not of the tokens. Kernels: tokens 5 and 6 repeat
+    # token 2 (x and dy), with other probabilities (routes that tie on content; by
+    # probability) and with the same ones (a full tie, left in token order). Not on the
+    # PyTorch path: the CPU's BLAS may round equal rows differently at different places
+    # in a matrix, so there a full tie's rows are bitwise only up to that.
+    S, H, E, K, D, I = 64, 2, 4, 3, 16, 32
+    x, probs, indices, weights = make_case(rng, S, H, E, K, D, I, dtype=dtype)
+    dy = torch.randn(S, H, D, generator=rng).to(dtype)
+    if backend == "triton":
+        for t in (5, 6):
+            x[t], dy[t], indices[:, t] = x[2], dy[2], indices[:, 2]
+        probs[:, 6] = probs[:, 2]
+    first = _gradients(x, probs, indices, weights, dy, E, backend)
+    again = _gradients(x, probs, indices, weights, dy, E, backend)
+    perm = torch.randperm(S, generator=rng)
+    moved = _gradients(x[perm], probs[:, perm], indices[:, perm], weights, dy[perm], E, backend)
+    for name, a, b in zip(("dx", "dprobs", "dW_gate", "dW_up", "dW_down"), first, again,
+                          strict=True):
+        assert torch.equal(a, b), name
+    assert torch.equal(moved[0], first[0][perm])
+    assert torch.equal(moved[1], first[1][:, perm])
+    for name, a, b in zip(("dW_gate", "dW_up", "dW_down"), moved[2:], first[2:], strict=True):
+        assert torch.equal(a, b), name
+    if backend == "triton":
+        # The kernels on the caller's layout: the content order changes the weight
+        # gradients' order of addition only, so d x and d probs are bitwise theirs.
+        from mhmoe.kernels.expert_backward import triton_expert_backward
+
+        layout = mhmoe.sort_routes(probs, indices, E)
+        sorted_probs = layout.sorted_probs.detach().requires_grad_()
+        y = mhmoe.expert_forward(x, layout.gather_ids, sorted_probs, layout.offsets, *weights,
+                                 deterministic=True, backend=backend)
+        op_dprobs = torch.autograd.grad(y, [sorted_probs], dy)[0]
+        kernels = triton_expert_backward(dy, x, *layout, *weights, deterministic=True)
+        assert torch.equal(op_dprobs, kernels[1]) and torch.equal(first[0], kernels[0])
+    # Against the default mode (layout order): the same sums up to rounding.
+    x_, w_ = x.detach().requires_grad_(), [w.detach().requires_grad_() for w in weights]
+    y = mhmoe.expert_forward(x_, *mhmoe.sort_routes(probs, indices, E), *w_, backend=backend)
+    plain = torch.autograd.grad(y, [x_, *w_], dy)
+    for a, b in zip(plain[1:], first[2:], strict=True):
+        assert rel_err(a, b) < 1e-2
+
+
 @settings(max_examples=25, deadline=None)
 @given(S=st.integers(0, 9), H=st.integers(1, 3), E=st.integers(1, 5), D=st.integers(1, 12),
        I=st.integers(1, 12), k_frac=st.floats(0, 1), seed=st.integers(0, 2**31 - 1))

@@ -94,6 +94,55 @@ def test_deterministic_bitwise_and_token_order(magi2_layer):
     assert torch.equal(y_perm, runs[0][perm])
 
 
+def test_row_keys_kernel_equals_its_twin_at_magi2_dims():
+    # The content keys deterministic mode sums tokens by: the kernel against the PyTorch
+    # twin (the same integers), on the pairs the backward hashes (x with d y; x with the
+    # router's d logits, an [H, S, E] tensor seen as [S, H, E]).
+    from mhmoe.kernels.row_keys import triton_row_keys
+    from mhmoe.reference import row_keys_reference
+
+    S, H, D, E = 4096, MAGI2.num_heads, MAGI2.head_dim, MAGI2.num_experts
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    x = torch.randn(S, H, D, device="cuda", generator=gen).bfloat16()
+    dy = torch.randn(S, H, D, device="cuda", generator=gen).bfloat16()
+    dlogits = torch.randn(H, S, E, device="cuda", generator=gen)
+    for b in (dy, dlogits.transpose(0, 1)):
+        keys = triton_row_keys(x, b)
+        assert torch.equal(keys, row_keys_reference(x, b))
+        assert keys.unique().numel() == keys.numel()  # distinct random rows
+
+
+def test_deterministic_training_gradients_independent_of_token_order(magi2_layer):
+    # The MAGI-2 layer in deterministic mode: forward and backward twice and on permuted
+    # tokens. Every gradient is bitwise equal run to run; under the permutation d x
+    # permutes and every parameter gradient (the router's d gate and the experts' weight
+    # gradients, sums over tokens) stays bitwise the same. Tokens 7 and 8 repeat token 3.
+    S = 4096
+    gen = torch.Generator(device="cuda").manual_seed(13)
+    x = torch.randn(S, MAGI2.hidden_size, device="cuda", generator=gen).bfloat16()
+    dy = torch.randn(S, MAGI2.hidden_size, device="cuda", generator=gen).bfloat16()
+    x[7:9], dy[7:9] = x[3], dy[3]
+    magi2_layer.config = magi2_layer.config.replace(deterministic=True)
+    trainable = [(n, p) for n, p in magi2_layer.named_parameters() if p.requires_grad]
+    names, params = [n for n, _ in trainable], [p for _, p in trainable]
+
+    def grads(xs, dys):
+        xs = xs.clone().requires_grad_()
+        return torch.autograd.grad(magi2_layer(xs), [xs, *params], dys)
+
+    try:
+        first = grads(x, dy)
+        for name, a, b in zip(("x", *names), first, grads(x, dy), strict=True):
+            assert torch.equal(a, b), name
+        perm = torch.randperm(S, device="cuda", generator=gen)
+        moved = grads(x[perm], dy[perm])
+    finally:
+        magi2_layer.config = magi2_layer.config.replace(deterministic=False)
+    assert torch.equal(moved[0], first[0][perm])
+    for name, a, b in zip(names, moved[1:], first[1:], strict=True):
+        assert torch.equal(a, b), name
+
+
 def test_layer_forward_has_no_host_sync(magi2_layer):
     x = torch.randn(2048, MAGI2.hidden_size, device="cuda").bfloat16()
     with torch.no_grad():

@@ -385,3 +385,41 @@ def test_replicated_input_refuses_token_counts(rng):
         with pytest.raises(ValueError, match="token_counts is for input_mode 'sequence'"):
             layer(x, token_counts=[4] * layer.partition.world_size)
         assert layer(x).shape == x.shape
+
+
+@pytest.mark.parametrize("backend,dtype", [
+    ("torch", torch.float32),
+    ("triton", torch.float32),   # the unfused router, float32 expert kernels (interpreter)
+    ("triton", torch.bfloat16),  # the fused router kernel, as on the GPU
+])
+def test_deterministic_gradients_are_independent_of_token_order(rng, backend, dtype):
+    # Training in deterministic mode: permuting the tokens permutes d x and leaves every
+    # parameter gradient bitwise unchanged (the router's d gate and the experts' weight
+    # gradients sum tokens in the order of their content). Kernels: tokens 3 and 4 repeat
+    # token 1 (a full tie). Not on the PyTorch path: the CPU's BLAS may round equal rows
+    # differently at different places in a matrix (tests/test_experts.py).
+    cfg = mhmoe.MultiHeadMoEConfig(hidden_size=64, num_heads=2, num_experts=16, top_k=3,
+                                   expert_intermediate_size=32, params_dtype=dtype,
+                                   deterministic=True)
+    layer = MultiHeadMoE(cfg, backend=backend)
+    randomize(layer, rng)
+    S = 48
+    x = torch.randn(S, 64, generator=rng).to(dtype)
+    dy = torch.randn(S, 64, generator=rng).to(dtype)
+    if backend == "triton":
+        x[3:5], dy[3:5] = x[1], dy[1]
+    params = [p for p in layer.parameters() if p.requires_grad]
+
+    def grads(xs, dys):
+        xs = xs.clone().requires_grad_()
+        return torch.autograd.grad(layer(xs), [xs, *params], dys)
+
+    first, again = grads(x, dy), grads(x, dy)
+    perm = torch.randperm(S, generator=rng)
+    moved = grads(x[perm], dy[perm])
+    names = ["x"] + [n for n, p in layer.named_parameters() if p.requires_grad]
+    for name, a, b in zip(names, first, again, strict=True):
+        assert torch.equal(a, b), name
+    assert torch.equal(moved[0], first[0][perm])
+    for name, a, b in zip(names[1:], moved[1:], first[1:], strict=True):
+        assert a.abs().sum() > 0 and torch.equal(a, b), name

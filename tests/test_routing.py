@@ -254,6 +254,51 @@ def test_sort_routes_every_token_on_one_expert():
     assert torch.equal(sorted_probs, probs.reshape(-1))
 
 
+@pytest.mark.parametrize("H,S,E,K,dtype", [
+    (2, 9, 5, 2, torch.float32),
+    (1, 17, 64, 3, torch.float32),    # one head; most experts empty
+    (2, 0, 3, 2, torch.float32),      # S = 0
+    (2, 11, 4, 3, torch.float64),     # float64 probabilities (the PyTorch path's gradchecks)
+])
+def test_content_route_order_by_hand(rng, H, S, E, K, dtype):
+    # Within each expert: ascending (key of the route's token in its head, probability
+    # bits); across experts: the layout's segments untouched. Keys drawn from few values,
+    # so that ties on the key fall back to the probability.
+    probs, indices = mhmoe.route(torch.randn(H, S, E, generator=rng, dtype=dtype), K)
+    layout = mhmoe.sort_routes(probs, indices, E)
+    keys = torch.randint(0, 3, (H, S), generator=rng)
+    order = mhmoe.routing.content_route_order(layout, keys)
+    assert sorted(order.tolist()) == list(range(H * S * K))
+    bounds = layout.offsets.tolist()
+    bits = {4: torch.int32, 8: torch.int64}[layout.sorted_probs.element_size()]
+    for f in range(H * E):
+        seg = order[bounds[f]:bounds[f + 1]].tolist()
+        assert all(bounds[f] <= i < bounds[f + 1] for i in seg)
+        want = sorted(range(bounds[f], bounds[f + 1]), key=lambda i, h=f // E: (
+            int(keys[h, layout.gather_ids[i]]), int(layout.sorted_probs[i:i + 1].view(bits))))
+        got = [(int(keys[f // E, layout.gather_ids[i]]),
+                int(layout.sorted_probs[i:i + 1].view(bits))) for i in seg]
+        assert got == [(int(keys[f // E, layout.gather_ids[i]]),
+                        int(layout.sorted_probs[i:i + 1].view(bits))) for i in want]
+
+
+def test_content_route_order_follows_tokens_not_places(rng):
+    # Under a token permutation the reordered layout lists the same tokens (mapped back)
+    # with the same probabilities: what makes the weight gradients' sums bitwise equal.
+    H, S, E, K = 2, 30, 6, 3
+    probs, indices = mhmoe.route(torch.randn(H, S, E, generator=rng), K)
+    keys = torch.randperm(H * S, generator=rng).view(H, S)  # distinct keys
+    perm = torch.randperm(S, generator=rng)
+    runs = []
+    for p in (torch.arange(S), perm):
+        layout = mhmoe.sort_routes(probs[:, p], indices[:, p], E)
+        order = mhmoe.routing.content_route_order(layout, keys[:, p])
+        runs.append((p[layout.gather_ids[order].long()], layout.sorted_probs[order]))
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+    plain = mhmoe.sort_routes(probs[:, perm], indices[:, perm], E)
+    assert not torch.equal(perm[plain.gather_ids.long()], runs[0][0])  # token order differs
+
+
 def test_sort_routes_result_is_a_named_layout():
     probs, indices = mhmoe.route(torch.randn(1, 3, 2), 1)
     layout = mhmoe.sort_routes(probs, indices, 2)

@@ -31,6 +31,7 @@ from .fp8 import (
     k_major,
 )
 from .reference import expert_backward_reference, expert_forward_reference, swiglu7_reference
+from .routing import RouteLayout, content_keys, content_route_order
 
 
 def resolve_backend(backend: str, device: torch.device | str) -> str:
@@ -193,14 +194,28 @@ def _expert_backward_op(grad_y: torch.Tensor, x_heads: torch.Tensor, gather_ids:
                         w_up: torch.Tensor, w_down: torch.Tensor, deterministic: bool,
                         backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                torch.Tensor, torch.Tensor]:
+    order = None
+    if deterministic:
+        # The weight gradients sum each expert's routes in layout order; in content order
+        # instead, they do not change bitwise when the tokens are permuted. On the Triton
+        # path dx's K slots and the per-route dprobs do not depend on the order within an
+        # expert (bitwise those of the caller's layout).
+        keys = content_keys(x_heads, grad_y)
+        order = content_route_order(RouteLayout(gather_ids, sorted_probs, offsets), keys)
+        gather_ids, sorted_probs = gather_ids[order], sorted_probs[order]
     if _pick_path(backend, x_heads.device, *w_gate.shape[1:]) == "triton":
         from .kernels.expert_backward import triton_expert_backward
 
-        return triton_expert_backward(grad_y, x_heads, gather_ids, sorted_probs, offsets, w_gate,
-                                      w_up, w_down, deterministic=deterministic)
-    # The PyTorch backward adds in a fixed order: deterministic by construction.
-    return expert_backward_reference(grad_y, x_heads, gather_ids, sorted_probs, offsets, w_gate,
-                                     w_up, w_down)
+        grads = triton_expert_backward(grad_y, x_heads, gather_ids, sorted_probs, offsets,
+                                       w_gate, w_up, w_down, deterministic=deterministic)
+    else:
+        # The PyTorch backward adds in a fixed order: deterministic by construction.
+        grads = expert_backward_reference(grad_y, x_heads, gather_ids, sorted_probs, offsets,
+                                          w_gate, w_up, w_down)
+    if order is None:
+        return grads
+    dx, dprobs, d_gate, d_up, d_down = grads
+    return dx, torch.empty_like(dprobs).index_copy_(0, order, dprobs), d_gate, d_up, d_down
 
 
 @_expert_backward_op.register_fake
@@ -324,7 +339,13 @@ def expert_forward(
     summed in ascending expert order. The PyTorch path always does this; the
     fused kernel's default mode adds with fp32 atomics (last bits may vary).
     Deterministic mode on the fused kernel needs the same number of routes for
-    every (token, head), as every `sort_routes` layout has.
+    every (token, head), as every `sort_routes` layout has. The backward too:
+    every gradient bitwise reproducible, and the weight gradients (sums over an
+    expert's routes) taken in the order of the routes' content
+    (`routing.content_route_order`), so that permuting the tokens permutes dx and
+    dprobs and leaves the weight gradients bitwise unchanged, on both paths (but
+    for a 2^-63 hash collision, and exact duplicate tokens on the PyTorch path,
+    where the CPU's BLAS may round equal rows differently by their place).
     backend: "auto" (fused kernel on CUDA, PyTorch elsewhere), "torch" or
     "triton". The fused kernel reads nothing back to the host (CUDA-graph
     capturable); the PyTorch path reads `offsets` on the host once per call.

@@ -282,7 +282,7 @@ class MultiHeadMoE(nn.Module):
         return route_tokens(x_heads, gate, cfg.router_options,
                             self.selection_bias().view(Hl, cfg.num_experts),
                             backend=self.backend, fused=self.fused_router,
-                            block_counts=block_counts)
+                            block_counts=block_counts, deterministic=self.deterministic)
 
     def route_layout(self, x_heads: torch.Tensor) -> RouteLayout:
         """The routes of this rank's heads grouped by expert, as `forward_heads` uses them:

@@ -354,3 +354,71 @@ def route_probs_backward(
         return torch.zeros_like(logits).scatter_(-1, indices, gq * q * (1 - q))
     spread = torch.zeros_like(logits).scatter_(-1, indices, gq)
     return full * (spread - (gq * q).sum(-1, keepdim=True))
+
+
+# Content keys (deterministic mode's summation order; `kernels/row_keys.py` explains the
+# hash). Mixer = (seed, multiplier 1, multiplier 2, shift 1, shift 2, shift 3): seed and
+# both multipliers below 2^31, so that a 32-bit value times one stays below 2^63.
+ROW_KEY_STEP = 0x9E3779B9
+ROW_KEY_MIXERS = ((0, 0x45D9F3B, 0x45D9F3B, 16, 16, 16),
+                  (0x5BD1E995, 0x2C1B3C6D, 0x297A2D39, 15, 12, 15))
+ROW_KEYS_MAX_COLUMNS = 1 << 20  # c * ROW_KEY_STEP and the row sums stay below 2^63
+_MASK32 = 0xFFFFFFFF
+
+
+def integer_view(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """t's bits as signed integers (a view; last dimension contiguous) and their width:
+    elements of 1, 2 or 4 bytes as integers of that width, 8-byte elements as two
+    32-bit integers each (the last dimension doubles). The form the content keys read."""
+    by_size = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int32}
+    size = t.element_size()
+    if size not in by_size or t.is_complex():
+        raise ValueError(f"row_keys: real elements of 1, 2, 4 or 8 bytes, got {t.dtype}")
+    target = by_size[size]
+    return (t if t.dtype == target else t.view(target)), 8 * target.itemsize
+
+
+def check_row_key_inputs(a: torch.Tensor, b: torch.Tensor) -> tuple[int, int]:
+    """(S, H) of two [S, H, W] row tensors, or a ValueError saying what is wrong."""
+    if a.dim() != 3 or b.dim() != 3 or a.shape[:2] != b.shape[:2]:
+        raise ValueError(f"row_keys: a and b must be [S, H, Wa] and [S, H, Wb], got "
+                         f"{tuple(a.shape)} and {tuple(b.shape)}")
+    if a.device != b.device:
+        raise ValueError(f"row_keys: a on {a.device}, b on {b.device}")
+    width = sum(t.shape[2] * max(1, t.element_size() // 4) for t in (a, b))
+    if width > ROW_KEYS_MAX_COLUMNS:
+        raise ValueError(f"row_keys: at most {ROW_KEYS_MAX_COLUMNS} columns (32-bit words "
+                         f"for 8-byte elements) a row, got {width}")
+    return a.shape[0], a.shape[1]
+
+
+def _row_key_mix(z: torch.Tensor, mixer: tuple[int, ...]) -> torch.Tensor:
+    seed, mul1, mul2, s1, s2, s3 = mixer
+    z = z ^ seed
+    z = ((z ^ (z >> s1)) * mul1) & _MASK32
+    z = ((z ^ (z >> s2)) * mul2) & _MASK32
+    return z ^ (z >> s3)
+
+
+def row_keys_reference(a: torch.Tensor, b: torch.Tensor, *,
+                       chunk_rows: int = 4096) -> torch.Tensor:
+    """keys [H, S] int64 of the rows (a[s, h, :], b[s, h, :]), the integers of
+    `kernels.row_keys.triton_row_keys` (see there), in int64 arithmetic that never
+    overflows. a: [S, H, Wa], b: [S, H, Wb], real elements of 1, 2, 4 or 8 bytes.
+    chunk_rows: (token, head) rows hashed at a time (bounds the int64 temporaries)."""
+    S, H = check_row_key_inputs(a, b)
+    (a, a_bits), (b, b_bits) = integer_view(a.contiguous()), integer_view(b.contiguous())
+    rows = torch.cat([a.reshape(S * H, a.shape[2]), b.reshape(S * H, b.shape[2])], dim=1)
+    # Built on the device (no host copy), so that a CUDA graph can capture the twin too.
+    masks = torch.cat([torch.full((a.shape[2],), (1 << a_bits) - 1, dtype=torch.int64,
+                                  device=a.device),
+                       torch.full((b.shape[2],), (1 << b_bits) - 1, dtype=torch.int64,
+                                  device=a.device)])
+    steps = torch.arange(rows.shape[1], dtype=torch.int64, device=a.device) * ROW_KEY_STEP
+    keys = torch.empty(S * H, dtype=torch.int64, device=a.device)
+    for r0 in range(0, S * H, chunk_rows):
+        z = ((rows[r0:r0 + chunk_rows].to(torch.int64) & masks) + steps) & _MASK32
+        high = _row_key_mix(z, ROW_KEY_MIXERS[0]).sum(1) & 0x7FFFFFFF
+        low = _row_key_mix(z, ROW_KEY_MIXERS[1]).sum(1) & _MASK32
+        keys[r0:r0 + chunk_rows] = (high << 32) | low
+    return keys.view(S, H).t().contiguous()

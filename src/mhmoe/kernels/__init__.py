@@ -7,6 +7,7 @@
     expert_forward_sm90.py  the same contract in Gluon, warp-specialised (sm_90 only)
     expert_forward_fp8.py   the expert forward with fp8 (e4m3) weights (sm_89 and later)
     expert_backward.py      the expert backward (dx, dprobs, weight gradients)
+    row_keys.py             content keys of (token, head) rows (deterministic sums)
     tuning.py               every per-architecture tile table
 
 `sm90_compile_cases()` lists each tensor-core kernel with the arguments its

@@ -734,3 +734,15 @@ def expert_backward_config(
         if fp32_operands and arch == (9, 0):
             table = BACKWARD_SM90_FP32
     return next(c for bound, c in table if rows_per_expert <= bound)
+
+
+# Content keys (kernels/row_keys.py): (rows a program, columns a step). Integer hashing
+# that reads each row once; no tensor cores. The GPU tiles are not tuned (not yet run on
+# a GPU when written); the interpreter's cost is per program and per op, so big tiles.
+ROW_KEYS_TILES = (32, 64)
+ROW_KEYS_TILES_INTERPRET = (256, 256)
+
+
+def row_keys_tiles(interpret: bool) -> tuple[int, int]:
+    """(BLOCK_R, BLOCK_C) of the content-key kernel."""
+    return ROW_KEYS_TILES_INTERPRET if interpret else ROW_KEYS_TILES
