@@ -149,8 +149,10 @@ def test_deterministic_gradients_are_independent_of_token_order(rng, backend, dt
     # order of the routes' content, not of the tokens. Kernels: tokens 5 and 6 repeat
     # token 2 (x and dy), with other probabilities (routes that tie on content; by
     # probability) and with the same ones (a full tie, left in token order). Not on the
-    # PyTorch path: the CPU's BLAS may round equal rows differently at different places
-    # in a matrix, so there a full tie's rows are bitwise only up to that.
+    # PyTorch path: the CPU's kernels round some values by their place in a tensor (BLAS
+    # tails, vectorised elementwise bodies against scalar tails), and equal rows left in
+    # token order land at different places; these shapes keep the rest clear of that
+    # (docs/expert-backward.md).
     S, H, E, K, D, I = 64, 2, 4, 3, 16, 32
     x, probs, indices, weights = make_case(rng, S, H, E, K, D, I, dtype=dtype)
     dy = torch.randn(S, H, D, generator=rng).to(dtype)

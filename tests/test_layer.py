@@ -396,8 +396,9 @@ def test_deterministic_gradients_are_independent_of_token_order(rng, backend, dt
     # Training in deterministic mode: permuting the tokens permutes d x and leaves every
     # parameter gradient bitwise unchanged (the router's d gate and the experts' weight
     # gradients sum tokens in the order of their content). Kernels: tokens 3 and 4 repeat
-    # token 1 (a full tie). Not on the PyTorch path: the CPU's BLAS may round equal rows
-    # differently at different places in a matrix (tests/test_experts.py).
+    # token 1 (a full tie). Not on the PyTorch path, whose CPU kernels round some values
+    # by their place in a tensor; these shapes (48 tokens, 16 experts) keep the rest clear
+    # of that, which tiny ones do not (docs/expert-backward.md).
     cfg = mhmoe.MultiHeadMoEConfig(hidden_size=64, num_heads=2, num_experts=16, top_k=3,
                                    expert_intermediate_size=32, params_dtype=dtype,
                                    deterministic=True)

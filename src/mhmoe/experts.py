@@ -343,9 +343,10 @@ def expert_forward(
     every gradient bitwise reproducible, and the weight gradients (sums over an
     expert's routes) taken in the order of the routes' content
     (`routing.content_route_order`), so that permuting the tokens permutes dx and
-    dprobs and leaves the weight gradients bitwise unchanged, on both paths (but
-    for a 2^-63 hash collision, and exact duplicate tokens on the PyTorch path,
-    where the CPU's BLAS may round equal rows differently by their place).
+    dprobs and leaves the weight gradients bitwise unchanged (but for a 2^-63
+    hash collision). The PyTorch path on the CPU follows the same order, but
+    its BLAS and elementwise kernels can round a value by its place in a
+    tensor, so there it holds only at shapes clear of that.
     backend: "auto" (fused kernel on CUDA, PyTorch elsewhere), "torch" or
     "triton". The fused kernel reads nothing back to the host (CUDA-graph
     capturable); the PyTorch path reads `offsets` on the host once per call.
