@@ -332,6 +332,16 @@ def _row_keys_triton_fake(a, b):
     return a.new_empty((a.shape[1], a.shape[0]), dtype=torch.int64)
 
 
+def route_experts(offsets: torch.Tensor, num_routes: int,
+                  dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """The flat expert of each route of a layout: [num_routes] `dtype`, f repeated
+    offsets[f+1] - offsets[f] times (offsets: `RouteLayout.offsets`). No host
+    synchronisation (the output size is given)."""
+    return torch.repeat_interleave(torch.arange(offsets.numel() - 1, device=offsets.device,
+                                                dtype=dtype),
+                                   offsets[1:] - offsets[:-1], output_size=num_routes)
+
+
 def content_route_order(layout: RouteLayout, keys: torch.Tensor) -> torch.Tensor:
     """order [R] int64: the layout's routes with each expert's routes sorted by content
     rather than by token. `gather_ids[order]`, `sorted_probs[order]` (same offsets) is a
@@ -345,14 +355,12 @@ def content_route_order(layout: RouteLayout, keys: torch.Tensor) -> torch.Tensor
     Torch ops only (three stable sorts of R values), no host synchronisation.
     """
     gather_ids, sorted_probs, offsets = layout
-    R = gather_ids.numel()
     H = keys.shape[0]
-    E = (offsets.numel() - 1) // H if H else 1
     F = offsets.numel() - 1
+    E = F // H if H else 1
     # int32 where it fits: a 32-bit radix sort takes half the passes of a 64-bit one
-    flat = torch.repeat_interleave(
-        torch.arange(F, device=offsets.device, dtype=torch.int32 if F < 2**31 else torch.int64),
-        offsets[1:] - offsets[:-1], output_size=R)
+    flat = route_experts(offsets, gather_ids.numel(),
+                         torch.int32 if F < 2**31 else torch.int64)
     route_keys = keys[flat // E, gather_ids.to(torch.int64)]
     bits = sorted_probs.contiguous().view(
         {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[

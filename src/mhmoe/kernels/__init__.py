@@ -10,7 +10,8 @@
     row_keys.py             content keys of (token, head) rows (deterministic sums)
     tuning.py               every per-architecture tile table
 
-`sm90_compile_cases()` lists each tensor-core kernel with the arguments its
+`sm90_compile_cases()` lists each tensor-core kernel (and the content-key kernel,
+whose 64-bit integer code the interpreter does not compile) with the arguments its
 launcher gives it on an H100/H200 at MAGI-2's dims, so that a developer tool
 (tools/sass_audit.py) can compile it for sm_90 without a GPU: a GPU-only kernel
 that stops compiling then fails `make test`.
@@ -45,15 +46,17 @@ class CompileCase:
 
 
 def sm90_compile_cases() -> list[CompileCase]:
-    """Every tensor-core kernel at the tiles its launcher picks on sm_90 (MAGI-2 dims)."""
+    """Every tensor-core kernel, and the content-key kernel, at the tiles its launcher
+    picks on sm_90 (MAGI-2 dims)."""
     from . import (
         expert_backward,
         expert_forward,
         expert_forward_fp8,
         expert_forward_sm90,
         router_logits,
+        row_keys,
     )
 
     return [*router_logits.sm90_compile_cases(), *expert_forward.sm90_compile_cases(),
             *expert_forward_sm90.sm90_compile_cases(), *expert_forward_fp8.sm90_compile_cases(),
-            *expert_backward.sm90_compile_cases()]
+            *expert_backward.sm90_compile_cases(), *row_keys.sm90_compile_cases()]

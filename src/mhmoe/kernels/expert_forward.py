@@ -43,6 +43,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from ..routing import route_experts
 from . import tuning
 from .tuning import ExpertForwardConfig, interpreting, step_down
 
@@ -306,8 +307,7 @@ def _route_slots(gather_ids: torch.Tensor, offsets: torch.Tensor, S: int, E: int
     """
     R = gather_ids.numel()
     F = offsets.numel() - 1
-    counts = offsets[1:] - offsets[:-1]
-    flat = torch.repeat_interleave(torch.arange(F, device=offsets.device), counts, output_size=R)
+    flat = route_experts(offsets, R)
     key = (flat // E) * S + gather_ids.to(torch.int64)
     if F // E * S < 2**31:  # a 32-bit radix sort takes half the passes of a 64-bit one
         key = key.to(torch.int32)

@@ -118,3 +118,22 @@ def triton_row_keys(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
                            b.stride(1), Wa=a.shape[2], Wb=b.shape[2], A_BITS=a_bits,
                            B_BITS=b_bits, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
     return keys
+
+
+def sm90_compile_cases() -> list:
+    """The key kernel at its GPU tiles and MAGI-2's widths, for both pairs it hashes:
+    x with dy (bf16, bf16) and x with the router's d logits (bf16, fp32)
+    (`mhmoe.kernels.CompileCase`)."""
+    from ..config import MAGI2_PREVIEW as M
+    from . import CompileCase
+
+    block_r, block_c = tuning.row_keys_tiles(False)
+    widths = {"x, dy": (M.head_dim, "*i16", 16), "x, d logits": (M.num_experts, "*i32", 32)}
+    return [CompileCase(
+        f"row keys {block_r}/{block_c} ({pair})", _row_keys_kernel,
+        {"a_ptr": "*i16", "b_ptr": b_type, "keys_ptr": "*i64", "S": "i32", "H": "i32",
+         "a_ss": "i32", "a_sh": "i32", "b_ss": "i32", "b_sh": "i32"},
+        dict(Wa=M.head_dim, Wb=wb, A_BITS=16, B_BITS=b_bits, BLOCK_R=block_r,
+             BLOCK_C=block_c),
+        4, 1, ("a_ss", "a_sh", "b_ss", "b_sh"))
+        for pair, (wb, b_type, b_bits) in widths.items()]
