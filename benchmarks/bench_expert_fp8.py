@@ -3,9 +3,10 @@
     PYTHONPATH=src python3 benchmarks/bench_expert_fp8.py [--tokens 1024,32768] [--no-record]
 
 For each token count: uniform random routes (top-6 of 256 per head), bf16 Gaussian
-weights and their fp8 quantization (mhmoe.fp8); the bf16 kernel and the fp8 kernel
-at its default tiles timed in interleaved rounds (mhmoe.bench.interleaved), and the
-fp8 result's relative error against the bf16 kernel's and, on the first 64 experts,
+weights and their fp8 quantization (mhmoe.fp8); the bf16 kernel, the fp8 kernel at its
+default tiles and, on sm_90, the fp8 Gluon kernel (kernels/expert_forward_fp8_sm90.py)
+timed in interleaved rounds (mhmoe.bench.interleaved), and each fp8 result's relative
+error against the bf16 kernel's and, on the first 64 experts,
 against the float64 twin of the quantized computation. The bf16 8192^3 matmul is
 measured in the same run.
 """
@@ -28,7 +29,7 @@ from mhmoe.bench import (
 from mhmoe.fp8 import fp8_expert_reference, quantize_weights
 from mhmoe.kernels.expert_forward import triton_expert_forward
 from mhmoe.kernels.expert_forward_fp8 import triton_expert_forward_fp8
-from mhmoe.kernels.tuning import fp8_forward_config
+from mhmoe.kernels.tuning import Fp8ForwardConfig, fp8_forward_config
 from mhmoe.reference import sort_routes_reference
 
 
@@ -56,6 +57,8 @@ def main() -> int:
         probs = torch.rand(H, S, K, device=dev, generator=gen)
         layout = sort_routes_reference(probs, idx, E)
         modes = {"default": fp8_forward_config(dev, S * K / E)}
+        if torch.cuda.get_device_capability(dev) == (9, 0):
+            modes["ws"] = Fp8ForwardConfig(128, 64, 4, 1, warp_specialized=True)
         variants = [("bf16", lambda x=x, lay=layout: triton_expert_forward(x, *lay, *w))]
         variants += [(name, lambda c=c, x=x, lay=layout:
                       triton_expert_forward_fp8(x, *lay, *fp8_args, config=c))
@@ -81,10 +84,14 @@ def main() -> int:
                              rel_err_vs_twin=rel_err(mine, twin))
             print(f"  {name:>12}: {ms:7.3f} ms  {flops / ms / 1e9:7.1f} TFLOP/s  "
                   + "  ".join(f"{k} {v:.3e}" for k, v in extra.items() if k.startswith("rel")))
-            tiles = "" if name == "bf16" else \
-                f" {modes[name].block_m}/{modes[name].block_i}/{modes[name].num_warps}/" \
-                f"{modes[name].num_stages}"
-            rows.append(result_row("experts_fwd", "bf16" if name == "bf16" else f"fp8{tiles}",
+            if name == "bf16":
+                variant = "bf16"
+            elif modes[name].warp_specialized:
+                variant = "fp8 ws (Gluon)"
+            else:
+                c = modes[name]
+                variant = f"fp8 {c.block_m}/{c.block_i}/{c.num_warps}/{c.num_stages}"
+            rows.append(result_row("experts_fwd", variant,
                                    S, ms, env=env, tflops=flops / ms / 1e9,
                                    command="PYTHONPATH=src python3 "
                                            "benchmarks/bench_expert_fp8.py", **extra))

@@ -127,6 +127,39 @@ def test_config_block_i_is_the_activation_block():
         Fp8ForwardConfig(32, 32, 4, 1)
 
 
+def test_forced_warp_specialized_refuses_where_it_cannot_run():
+    # The Gluon kernel (kernels/expert_forward_fp8_sm90.py) runs on sm_90 only, with D =
+    # 256: asked for anywhere else it is an error, never a silent switch to another kernel.
+    x, layout, w = problem(8, 1, 2, 1, 256, 64, seed=0)
+    q = quantize_weights(*w)
+    with pytest.raises(ValueError, match="warp_specialized needs an sm_90 GPU"):
+        run(x, layout, q, Fp8ForwardConfig(128, ACT_BLOCK, 8, 3, warp_specialized=True))
+
+
+def test_gluon_tiles_must_fit_the_shared_memory():
+    # 96 KB of x tiles and 8 KB of activations leave room for 7 ring stages of 16.5 KB.
+    import dataclasses
+
+    from mhmoe.kernels.tuning import fp8_forward_sm90_config
+
+    config = fp8_forward_sm90_config()
+    assert config.num_stages == 7 and config.shared_bytes() + 1024 <= 227 * 1024
+    with pytest.raises(ValueError, match="must fit the sm_90 shared memory"):
+        dataclasses.replace(config, num_stages=8)
+    with pytest.raises(ValueError, match="written for block_m=128"):
+        dataclasses.replace(config, block_m=64)
+    # A warpgroup's block holds 3 stages while the other has not read the first: with a
+    # shorter ring the loader could never refill it (found by review; the kernel hangs).
+    with pytest.raises(ValueError, match="must hold a block's 3 stages"):
+        dataclasses.replace(config, num_stages=2)
+    assert dataclasses.replace(config, num_stages=3).num_stages == 3
+    # The bf16 kernel's blocks hold 6 (two down chunks, four gate|up chunks).
+    from mhmoe.kernels.tuning import expert_forward_sm90_config
+
+    with pytest.raises(ValueError, match="must hold a block's 6 stages"):
+        dataclasses.replace(expert_forward_sm90_config(), num_stages=5)
+
+
 def test_quantize_weights_per_output_channel():
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(6, 32, 48, generator=gen)

@@ -405,6 +405,30 @@ def test_expert_kernels_repeatable_at_full_size(magi2_layer):
         del out
 
 
+def gluon_case(S, H, E, K, I, edge, group_bytes, monkeypatch):
+    """A Gluon kernel test's problem at D = 256: bf16 x [S, H, D], bf16 Gaussian weights
+    (W_gate, W_up, W_down), probabilities and expert scores [H, S, E] whose top-K are the
+    routes (with "empty" in `edge`: every head-0 token on expert 0, the last two experts
+    of each head empty), the generator; `group_bytes` caps the combine's workspaces."""
+    import mhmoe.kernels.tuning as tuning
+
+    if group_bytes is not None:
+        monkeypatch.setattr(tuning, "DEFAULT_WORKSPACE_BYTES", group_bytes)
+        monkeypatch.setattr(tuning, "DETERMINISTIC_WORKSPACE_BYTES", group_bytes * K)
+    D = 256
+    gen = torch.Generator(device="cuda").manual_seed(S + I)
+    x = torch.randn(S, H, D, device="cuda", generator=gen).bfloat16()
+    w = ((torch.randn(H * E, D, I, device="cuda", generator=gen) * D**-0.5).bfloat16(),
+         (torch.randn(H * E, D, I, device="cuda", generator=gen) * D**-0.5).bfloat16(),
+         (torch.randn(H * E, I, D, device="cuda", generator=gen) * I**-0.5).bfloat16())
+    scores = torch.rand(H, S, E, device="cuda", generator=gen)
+    if "empty" in edge:
+        scores[0, :, 0] += 2.0
+        scores[:, :, E - 2:] -= 5.0
+    probs = torch.rand(H, S, K, device="cuda", generator=gen) + 0.1
+    return x, w, probs, scores, gen
+
+
 @pytest.mark.parametrize("S,H,E,K,I,edge,group_bytes", [
     (300, 2, 8, 2, 192, "tiles ending inside an expert's rows", None),
     (200, 2, 4, 2, 64, "one slice of I: no middle blocks", None),
@@ -428,20 +452,9 @@ def test_gluon_expert_forward_equals_triton(S, H, E, K, I, edge, group_bytes, cl
     import mhmoe.kernels.tuning as tuning
     from mhmoe.reference import expert_forward_reference
 
-    if group_bytes is not None:
-        monkeypatch.setattr(tuning, "DEFAULT_WORKSPACE_BYTES", group_bytes)
-        monkeypatch.setattr(tuning, "DETERMINISTIC_WORKSPACE_BYTES", group_bytes * K)
-    D = 256
-    gen = torch.Generator(device="cuda").manual_seed(S + I)
-    x = torch.randn(S, H, D, device="cuda", generator=gen).bfloat16()
-    wg = (torch.randn(H * E, D, I, device="cuda", generator=gen) * D**-0.5).bfloat16()
-    wu = (torch.randn(H * E, D, I, device="cuda", generator=gen) * D**-0.5).bfloat16()
-    wd = (torch.randn(H * E, I, D, device="cuda", generator=gen) * I**-0.5).bfloat16()
-    scores = torch.rand(H, S, E, device="cuda", generator=gen)
-    if "empty" in edge:
-        scores[0, :, 0] += 2.0
-        scores[:, :, E - 2:] -= 5.0
-    probs = torch.rand(H, S, K, device="cuda", generator=gen) + 0.1
+    x, (wg, wu, wd), probs, scores, _ = gluon_case(S, H, E, K, I, edge, group_bytes,
+                                                   monkeypatch)
+    D = x.shape[2]
     layout = mhmoe.sort_routes(probs, scores.topk(K, dim=-1).indices, E)
     rows = layout.gather_ids.numel() / (H * E)
     if "skipped" in edge:  # the case must hold such tiles (about 550 rows an expert)
@@ -461,6 +474,46 @@ def test_gluon_expert_forward_equals_triton(S, H, E, K, I, edge, group_bytes, cl
         torch_fp32 = rel_err(expert_forward_reference(x, *layout, wg, wu, wd), ref)
         for y in (ws, ws_det):
             assert rel_err(y, ref) <= 1.5 * torch_fp32 + 4e-4, edge
+
+
+def test_router_backward_kernels_at_full_size():
+    # kernels/router_backward.py at MAGI-2's dims and S = 32,768, against float64 on two
+    # heads and against the PyTorch fp32 GEMMs they replace: dx in fp32 within a few
+    # roundings of the tensor cores' (truncating) adds a term, and rounded to bf16 as
+    # accurate as PyTorch's; d gate at fp32's accuracy (each block summed from zero, then
+    # added in fp32); d gate bitwise run to run, the same for a head alone, and in the
+    # content order under a token permutation.
+    from mhmoe.kernels.router_backward import triton_router_dgate, triton_router_dx
+    from mhmoe.reference import exact_precision
+    from mhmoe.routing import content_keys
+
+    H, E, D, S = MAGI2.num_heads, MAGI2.num_experts, MAGI2.head_dim, 32768
+    gen = torch.Generator(device="cuda").manual_seed(31)
+    grad = torch.randn(H, S, E, device="cuda", generator=gen)
+    gate = torch.randn(H, E, D, device="cuda", generator=gen) * D**-0.5
+    x = torch.randn(S, H, D, device="cuda", generator=gen).bfloat16()
+    dx32 = triton_router_dx(grad, gate, x.float())
+    dx = triton_router_dx(grad, gate, x)
+    dgate = triton_router_dgate(grad, x)
+    torch_dx, torch_dgate = exact_precision(lambda: (
+        torch.bmm(grad, gate).transpose(0, 1).bfloat16(),
+        torch.bmm(grad.transpose(1, 2), x.transpose(0, 1).float())))()
+    for h in (0, H - 1):
+        ref_dx = grad[h].double() @ gate[h].double()
+        scale = grad[h].double().abs() @ gate[h].double().abs()
+        assert ((dx32[:, h].double() - ref_dx).abs() <= (E + 14) * 2**-23 * scale).all(), h
+        assert rel_err(dx[:, h], ref_dx) <= 1.01 * rel_err(torch_dx[:, h], ref_dx) + 1e-7, h
+        ref_dgate = grad[h].double().t() @ x[:, h].double()
+        assert rel_err(dgate[h], ref_dgate) < 1e-6, (h, rel_err(torch_dgate[h], ref_dgate))
+    assert torch.equal(triton_router_dgate(grad, x), dgate)
+    assert torch.equal(triton_router_dgate(grad[:1], x[:, :1]), dgate[:1])
+
+    def ordered(g, xx):
+        order = torch.argsort(content_keys(xx, g.transpose(0, 1)), dim=1, stable=True)
+        return triton_router_dgate(g, xx, order)
+
+    perm = torch.randperm(S, device="cuda", generator=gen)
+    assert torch.equal(ordered(grad[:, perm], x[perm]), ordered(grad, x))
 
 
 def test_backward_panel_head_groups_bitwise_on_gpu(monkeypatch):
@@ -537,6 +590,55 @@ def test_fp8_kernel_against_its_float64_twin_at_magi2_dims(S, edge):
         mine = triton_expert_forward_fp8(x[:, :1], *sub, *(t[:E] for t in k_major),
                                          deterministic=deterministic)
         assert rel_err(mine, twin) < 1e-2, (edge, deterministic)
+
+
+@pytest.mark.parametrize("S,H,E,K,I,edge,group_bytes", [
+    (300, 2, 8, 2, 192, "tiles ending inside an expert's rows", None),
+    (200, 2, 4, 2, 64, "one slice of I: no middle blocks", None),
+    (1000, 3, 16, 4, 320, "every head-0 token on expert 0, the last experts empty", None),
+    (512, 4, 8, 2, 128, "a head a launch (small workspaces)", 512 * 256 * 4),
+    (1100, 2, 8, 4, 128, "last tiles of 64 rows or fewer (their second half empty)", None),
+    (37, 12, 256, 6, 1280, "MAGI-2, few routes: most experts empty or one row", None),
+    (4096, 12, 256, 6, 1280, "MAGI-2, 96 routes an expert", None),
+    (32768, 12, 256, 6, 1280, "MAGI-2, 768 routes an expert", None),
+])
+def test_gluon_fp8_kernel_equals_the_triton_fp8_kernel(S, H, E, K, I, edge, group_bytes,
+                                                      monkeypatch):
+    # kernels/expert_forward_fp8_sm90.py quantizes, scales and accumulates as the Triton
+    # fp8 kernel does. Its own properties first: deterministic mode bitwise across runs
+    # and under a token permutation, the default mode (atomic adds) within rounding of
+    # it, the float64 twin of the quantized computation on head 0's experts; then the
+    # deterministic modes bitwise equal (which also needs an fp8 wgmma's bits per element
+    # not to depend on its N or on where its A operand lies: docs/fp8.md).
+    import mhmoe.kernels.tuning as tuning
+    from mhmoe.fp8 import Fp8Weights, fp8_expert_reference, quantize_weights
+    from mhmoe.kernels.expert_forward_fp8 import triton_expert_forward_fp8
+
+    x, w, probs, scores, gen = gluon_case(S, H, E, K, I, edge, group_bytes, monkeypatch)
+    q = quantize_weights(*w)
+    k_major = (q.w_gate.transpose(1, 2), q.w_up.transpose(1, 2), q.w_down.transpose(1, 2),
+               q.gate_scale, q.up_scale, q.down_scale)
+    layout = mhmoe.sort_routes(probs, scores.topk(K, dim=-1).indices, E)
+    ws_cfg = tuning.Fp8ForwardConfig(128, 64, 4, 1, warp_specialized=True)
+    ws_det = [triton_expert_forward_fp8(x, *layout, *k_major, deterministic=True,
+                                        config=ws_cfg) for _ in range(2)]
+    ws = triton_expert_forward_fp8(x, *layout, *k_major, config=ws_cfg)
+    assert torch.isfinite(ws_det[0]).all() and torch.isfinite(ws).all(), edge
+    assert torch.equal(ws_det[0], ws_det[1]), edge
+    assert rel_err(ws, ws_det[0]) < 1e-4, edge
+    perm = torch.randperm(S, device="cuda", generator=gen)
+    layout_p = mhmoe.sort_routes(probs[:, perm], scores[:, perm].topk(K, dim=-1).indices, E)
+    y_p = triton_expert_forward_fp8(x[perm], *layout_p, *k_major, deterministic=True,
+                                    config=ws_cfg)
+    assert torch.equal(y_p, ws_det[0][perm]), edge
+    gather_ids, sorted_probs, offsets = layout
+    n = int(offsets[E])
+    sub = (gather_ids[:n], sorted_probs[:n], offsets[:E + 1])
+    twin = fp8_expert_reference(x[:, :1], *sub, Fp8Weights(*(t[:E] for t in q)))
+    mine = triton_expert_forward_fp8(x[:, :1], *sub, *(t[:E] for t in k_major), config=ws_cfg)
+    assert rel_err(mine, twin) < 1e-2, edge
+    tri = triton_expert_forward_fp8(x, *layout, *k_major, deterministic=True)
+    assert torch.equal(ws_det[0], tri), (edge, rel_err(ws_det[0], tri))
 
 
 def test_fp8_magi2_layer_against_the_float64_bf16_layer(magi2_layer, magi2_fp8_layer):
@@ -658,9 +760,11 @@ def test_training_step_in_a_cuda_graph_replays_on_new_inputs(deterministic):
 def test_torch_compile_fullgraph_forward_and_backward_cuda():
     # Inductor around the custom ops, forward and backward, against the eager layer in
     # deterministic mode: the same kernels, so the same outputs up to inductor's own
-    # rounding of the glue around them. Measured on the H200: y and the weight gradients
-    # bitwise equal, d gate 2.4e-7, dx 1.2e-3 (the router's share of dx is added to the
-    # experts' in fp32 and rounded once, where eager rounds each to bf16 first).
+    # rounding of the glue around them. Measured on the H200 at f5f1981, before the
+    # router's backward ran as kernels: y and the weight gradients bitwise equal, d gate
+    # 2.4e-7, dx 1.2e-3 (the router's share of dx was added to the experts' in fp32 and
+    # rounded once, where eager rounds each to bf16 first; now an op returns it in bf16
+    # to both).
     cfg = MAGI2.replace(num_experts=16, top_k=4)
     layer = make_layer(cfg, seed=8, deterministic=True)
     compiled = torch.compile(layer, fullgraph=True)

@@ -78,14 +78,16 @@ def test_compiled_sm90_kernels_have_no_register_a_hazards():
     assert canary["kernel"].startswith("canary") and canary["hazards"], canary
     names = [r["kernel"] for r in shipped]
     for prefix in ("logits", "expert forward", "expert forward ws", "expert forward fp8",
-                   "expert dx", "expert dW", "panel dW", "row keys"):
+                   "expert forward fp8 ws", "expert dx", "expert dW", "panel dW",
+                   "router dx", "router d gate", "row keys"):
         assert any(n.startswith(prefix) for n in names), (prefix, names)
     assert [r for r in shipped if r["hazards"]] == []
-    # not vacuous: the bf16 expert kernels do feed wgmmas from registers (the fp8 kernel
-    # stages both fp8 operands in shared memory: none of its wgmmas can have the hazard)
+    # not vacuous: the expert forward and dx kernels (bf16 HGMMAs, the Triton fp8 kernel's
+    # QGMMAs) and the router backward's do feed wgmmas from registers (the fp8 Gluon
+    # kernel stages both operands in shared memory: none of its wgmmas can have the hazard)
     assert all(r["hgmma_register_a"] > 0 for r in shipped
-               if r["kernel"].startswith(("expert forward", "expert dx"))
-               and not r["kernel"].startswith("expert forward fp8"))
+               if r["kernel"].startswith(("expert forward", "expert dx", "router"))
+               and not r["kernel"].startswith("expert forward fp8 ws"))
     # The Gluon kernel keeps wgmma groups in flight where it asks to (ptxas serialises
     # every wgmma, silently but for an info line, when its registers run short).
     # Both modes, one CTA and the cluster variant.
@@ -99,6 +101,18 @@ def test_compiled_sm90_kernels_have_no_register_a_hazards():
         default = "deterministic" not in r["kernel"]
         assert r["reductions"] == (128 if default else 0) and r["fp32_atomics"] == 0, r
         assert r["counts"] == 0, r
+    # The fp8 Gluon kernel: every product on the fp8 tensor cores, at the planned shapes
+    # (per MMA warpgroup: gate|up as N = 128 over two K = 128 chunks in block 0 and in the
+    # loop's block; the down product as one N = 256 over K = 64 in the loop's and in the
+    # last block), the same waits in flight in both modes, and the combine as the bf16
+    # kernel's.
+    fp8_ws = [r for r in shipped if r["kernel"].startswith("expert forward fp8 ws")]
+    assert len(fp8_ws) == 2, fp8_ws
+    for r in fp8_ws:
+        assert r["wgmmas"] == {"QGMMA.64x128x32": 32, "QGMMA.64x256x32": 8}, r
+        assert r["async_waits"] >= 6, r
+        default = "deterministic" not in r["kernel"]
+        assert r["reductions"] == (128 if default else 0) and r["fp32_atomics"] == 0, r
 
 
 _CLUSTER_PROBE = """

@@ -5,7 +5,7 @@
 
 (without TRITON_INTERPRET: the interpreter's kernels cannot be compiled).
 
-What it checks. A wgmma (an HGMMA instruction in SASS) may take its A operand
+What it checks. A wgmma (an HGMMA instruction in SASS; QGMMA for fp8) may take its A operand
 from registers. PTX leaves it undefined to write those registers before a
 `wgmma.wait_group` has retired that wgmma. Triton 3.6 emitted exactly that in
 the router logits kernel: its pipelined loop loaded the next x tile into the
@@ -108,13 +108,26 @@ def compile_sass(fn, signature: dict, constexprs: dict, num_warps: int, num_stag
 
 
 _INSTR = re.compile(r"/\*([0-9a-f]+)\*/\s+(.*?)\s*;")
-_HGMMA_REG_A = re.compile(r"(?:@\S+\s+)?HGMMA\.\S+\s+R\d+,\s+R(\d+),")
+# HGMMA: 16-bit operands; QGMMA: fp8. Either takes 4 registers of A a thread.
+_HGMMA_REG_A = re.compile(r"(?:@\S+\s+)?[HQ]GMMA\.\S+\s+R\d+,\s+R(\d+),")
 _ASYNC_WAIT = re.compile(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x[1-9a-f]")
 # Global atomics: fp32 pair adds with nothing returned, fp32 adds returning the old values,
 # and integer adds returning the old values (counters).
 _COMBINE_OPS = {"reductions": re.compile(r"REDG\.E\.ADD\.F32x2"),
                 "fp32_atomics": re.compile(r"ATOMG\.E\.ADD\.F32"),
                 "counts": re.compile(r"ATOMG\.E\.ADD\.STRONG")}
+
+
+_WGMMA = re.compile(r"\b([HQ]GMMA\.\d+x\d+x\d+)")
+
+
+def wgmma_shapes(sass: str) -> dict:
+    """wgmma instructions by kind and shape ("HGMMA.64x128x16": 16-bit operands,
+    "QGMMA.64x256x32": fp8) -> how many the SASS has."""
+    counts: dict = {}
+    for name in _WGMMA.findall(sass):
+        counts[name] = counts.get(name, 0) + 1
+    return counts
 
 
 def async_waits(sass: str) -> int:
@@ -165,7 +178,7 @@ def _destinations(ins: str) -> set[int]:
 def _step(state, addr, ins, hazards, where):
     pending, open_group = state
     op, operands = _opcode_and_operands(ins)
-    if op.startswith("HGMMA"):
+    if op.startswith(("HGMMA", "QGMMA")):
         m = _HGMMA_REG_A.match(ins)
         if m:
             open_group = open_group | set(range(int(m.group(1)), int(m.group(1)) + 4))
@@ -195,7 +208,7 @@ def register_a_hazards(sass: str) -> tuple[int, list[dict]]:
         m = _BACK_BRANCH.match(ins)
         top = int(m.group(1), 16) if m else addr
         body = [(a, i) for a, i in prog if top <= a <= addr]
-        if top >= addr or not any("HGMMA" in i for _, i in body):
+        if top >= addr or not any("GMMA" in i for _, i in body):
             continue
         state = ([], set())
         for lap in range(2):
@@ -238,7 +251,7 @@ def audit(progress=None) -> list[dict]:
     """One row per kernel and tile: name, HGMMAs with a register A operand, hazards, and
     the waits that leave wgmma groups in flight (`WARPGROUP.DEPBAR.LE gsb0, N > 0`: none
     where ptxas serialised every wgmma, which it does when registers run short), and its
-    global atomic adds (`combine_ops`)."""
+    global atomic adds (`combine_ops`), and its wgmmas by kind and shape (`wgmma_shapes`)."""
     rows = []
     for case in _cases():
         if progress:
@@ -247,7 +260,8 @@ def audit(progress=None) -> list[dict]:
                             case.num_stages, case.divisible, case.maxnreg)
         n_reg_a, hazards = register_a_hazards(sass)
         rows.append({"kernel": case.name, "hgmma_register_a": n_reg_a, "hazards": hazards,
-                     "async_waits": async_waits(sass), **combine_ops(sass)})
+                     "async_waits": async_waits(sass), **combine_ops(sass),
+                     "wgmmas": wgmma_shapes(sass)})
     return rows
 
 

@@ -214,7 +214,8 @@ def route_tokens(
         if fused:
             raise ValueError(f"route_tokens: fused=True, but the fused kernel cannot run here: "
                              f"{reason}")
-    logits = RouterLogits.apply(x_heads, gate, bool(deterministic))
+    triton = resolve_backend(backend, x_heads.device, op="route_tokens") == "triton"
+    logits = RouterLogits.apply(x_heads, gate, bool(deterministic), triton)
     return _route_logits(logits, options, expert_bias, backend, block_counts)
 
 
@@ -265,13 +266,16 @@ class RouterLogits(torch.autograd.Function):
     keeps it anyway) and upcasts again in the backward.
     x_heads: [S, H, D]; gate: [H, E, D] -> logits [H, S, E]
     deterministic: d gate sums the tokens in content order (`route_tokens`).
+    triton: the backward may take the tensor-core kernels (the Triton path;
+    `router_backward_kernels`).
     """
 
     @staticmethod
     @exact_precision
-    def forward(ctx, x_heads, gate, deterministic=False):
+    def forward(ctx, x_heads, gate, deterministic=False, triton=False):
         ctx.save_for_backward(x_heads, gate)
         ctx.deterministic = deterministic
+        ctx.triton = triton
         return torch.bmm(x_heads.transpose(0, 1).to(gate.dtype), gate.transpose(1, 2))
 
     @staticmethod
@@ -279,19 +283,36 @@ class RouterLogits(torch.autograd.Function):
         x_heads, gate = ctx.saved_tensors
         need_x, need_gate = ctx.needs_input_grad[:2]
         return (*_router_logits_backward(grad, x_heads, gate, need_x, need_gate,
-                                         ctx.deterministic), None)
+                                         ctx.deterministic, ctx.triton), None, None)
+
+
+def router_backward_kernels(x_heads, gate, triton: bool) -> bool:
+    """Whether the router backward runs on the tensor-core kernels
+    (`kernels/router_backward.py`): on the Triton path (CUDA, or the interpreter), with
+    bf16 x and an fp32 router, which make the kernels' products exact; else PyTorch's
+    fp32 GEMMs."""
+    return triton and x_heads.dtype == torch.bfloat16 and gate.dtype == torch.float32
 
 
 @exact_precision
 def _router_logits_backward(grad, x_heads, gate, need_x: bool, need_gate: bool,
-                            deterministic: bool):
+                            deterministic: bool, triton: bool):
     """d x_heads [S, H, D] (x's dtype) and d gate [H, E, D] of logits = x . gate^T
-    per head, from d logits [H, S, E]; None where not needed.
+    per head, from d logits [H, S, E]; None where not needed. triton: the Triton path
+    (`router_backward_kernels`).
 
     d x is a product per token (its value does not depend on where the token sits).
     d gate sums over tokens; deterministic: in each head's content order."""
     grad = grad.to(gate.dtype)
     grad_x = grad_gate = None
+    if router_backward_kernels(x_heads, gate, triton):
+        if need_x:
+            grad_x = _router_dx_op(grad, gate, x_heads)
+        if need_gate:
+            order = (torch.argsort(content_keys(x_heads, grad.transpose(0, 1)), dim=1,
+                                   stable=True) if deterministic else None)
+            grad_gate = _router_dgate_op(grad, x_heads, order)
+        return grad_x, grad_gate
     if need_x:
         grad_x = torch.bmm(grad, gate).transpose(0, 1).to(x_heads.dtype)
     if need_gate and deterministic:
@@ -317,6 +338,33 @@ def content_keys(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.device.type == "cuda" and triton_importable():
         return _row_keys_triton_op(a, b)
     return row_keys_reference(a, b)
+
+
+# The router backward's kernels as ops: torch.compile traces the router's backward.
+@torch.library.custom_op("mhmoe::router_dx_triton", mutates_args=())
+def _router_dx_op(grad: torch.Tensor, gate: torch.Tensor,
+                  x_heads: torch.Tensor) -> torch.Tensor:
+    from .kernels.router_backward import triton_router_dx
+
+    return triton_router_dx(grad, gate, x_heads)
+
+
+@_router_dx_op.register_fake
+def _router_dx_fake(grad, gate, x_heads):
+    return x_heads.new_empty((grad.shape[1], grad.shape[0], gate.shape[2]))
+
+
+@torch.library.custom_op("mhmoe::router_dgate_triton", mutates_args=())
+def _router_dgate_op(grad: torch.Tensor, x_heads: torch.Tensor,
+                     order: torch.Tensor | None) -> torch.Tensor:
+    from .kernels.router_backward import triton_router_dgate
+
+    return triton_router_dgate(grad, x_heads, order)
+
+
+@_router_dgate_op.register_fake
+def _router_dgate_fake(grad, x_heads, order):
+    return grad.new_empty((grad.shape[0], grad.shape[2], x_heads.shape[2]))
 
 
 # An op, so that torch.compile (which traces the router's backward) sees one opaque node.
@@ -576,7 +624,7 @@ def _logits_route_backward(ctx, grad_probs, grad_indices, grad_logits, grad_coun
         grad = grad + grad_logits
     need_x, need_gate = ctx.needs_input_grad[:2]
     grad_x, grad_gate = _router_logits_backward(grad, x_heads, gate, need_x, need_gate,
-                                                ctx.deterministic)
+                                                ctx.deterministic, True)
     return _LOGITS_ROUTE_INPUTS.grads(x_heads=grad_x, gate=grad_gate)
 
 

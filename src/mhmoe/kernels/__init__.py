@@ -1,11 +1,13 @@
 """GPU kernels of mhmoe: one module per kernel family, tiles in tuning.py.
 
     router_logits.py        router logits on tensor cores (+ shortlists)
+    router_backward.py      their backward (d x, d gate) on tensor cores
     topk.py                 top-k selection: the route kernels
     layout.py               the route layout (counting sort)
     expert_forward.py       the fused expert forward (Triton)
     expert_forward_sm90.py  the same contract in Gluon, warp-specialised (sm_90 only)
     expert_forward_fp8.py   the expert forward with fp8 (e4m3) weights (sm_89 and later)
+    expert_forward_fp8_sm90.py  the same contract in Gluon, warp-specialised (sm_90 only)
     expert_backward.py      the expert backward (dx, dprobs, weight gradients)
     row_keys.py             content keys of (token, head) rows (deterministic sums)
     tuning.py               every per-architecture tile table
@@ -52,11 +54,15 @@ def sm90_compile_cases() -> list[CompileCase]:
         expert_backward,
         expert_forward,
         expert_forward_fp8,
+        expert_forward_fp8_sm90,
         expert_forward_sm90,
+        router_backward,
         router_logits,
         row_keys,
     )
 
     return [*router_logits.sm90_compile_cases(), *expert_forward.sm90_compile_cases(),
             *expert_forward_sm90.sm90_compile_cases(), *expert_forward_fp8.sm90_compile_cases(),
-            *expert_backward.sm90_compile_cases(), *row_keys.sm90_compile_cases()]
+            *expert_forward_fp8_sm90.sm90_compile_cases(),
+            *expert_backward.sm90_compile_cases(), *router_backward.sm90_compile_cases(),
+            *row_keys.sm90_compile_cases()]

@@ -151,7 +151,10 @@ def triton_expert_forward_fp8(
     wd_t: [H*E, D, I] e4m3 (W_down transposed, contiguous);
     gate_scale, up_scale: [H*E, I] fp32; down_scale: [H*E, D] fp32.
     Returns y [S, H, D] bf16. config: force tiles (tests; default
-    `tuning.fp8_forward_config` by routes per expert). Raises ValueError unless D is a
+    `tuning.fp8_forward_config` by routes per expert); with `warp_specialized` the Gluon
+    kernel of `expert_forward_fp8_sm90.py` runs instead (sm_90, D = 256, I a multiple of
+    64; ValueError elsewhere), at the tiles of `tuning.fp8_forward_sm90_config`, with the
+    same numerics. Raises ValueError unless D is a
     power of two >= 16 (a row is one tile) and the config's block_i divides I (the
     scale loads are not masked: a partial slice would read the next expert's scales).
     Inputs are otherwise assumed valid (`experts.check_fp8_expert_inputs`); nothing is
@@ -169,6 +172,14 @@ def triton_expert_forward_fp8(
     if I % config.block_i:
         raise ValueError(f"triton_expert_forward_fp8: block_i={config.block_i} must divide "
                          f"I={I}")
+    if config.warp_specialized:
+        from . import expert_forward_fp8_sm90 as ws  # Gluon: imported where it may run
+
+        if not ws.fp8_ws_fits(x_heads, wg_t, wd_t):
+            raise ValueError(
+                "config.warp_specialized needs an sm_90 GPU, bf16 x, e4m3 weights, D = 256 "
+                f"and I a multiple of 64; got {x_heads.device}, {x_heads.dtype}/"
+                f"{wg_t.dtype}, D={D}, I={I}")
     y = torch.empty(S, H, D, dtype=x_heads.dtype, device=x_heads.device)
     if S == 0 or R == 0:
         return y.zero_()
@@ -176,11 +187,24 @@ def triton_expert_forward_fp8(
         x_heads = x_heads.contiguous()
     gather_ids, sorted_probs, offsets = (
         gather_ids.contiguous(), sorted_probs.contiguous(), offsets.contiguous())
+    groups = HeadGroups(y, gather_ids, offsets, E, deterministic, "expert_forward_fp8")
+    if config.warp_specialized:
+        sm90 = tuning.fp8_forward_sm90_config()
+        descs = ws.descriptors(wg_t, wu_t, wd_t, gate_scale, up_scale)
+        for h0, g, routes, out in groups:
+            max_tiles = triton.cdiv(routes, sm90.block_m) + g * E
+            tile_expert, tile_first, total = tile_map(offsets, h0 * E, g * E, sm90.block_m,
+                                                      max_tiles, with_total=True)
+            ws.launch_fp8_ws(x_heads, gather_ids, sorted_probs, offsets, descs, down_scale,
+                             out, groups.slots, tile_expert, tile_first, total, config=sm90,
+                             E=E, first_expert=h0 * E, first_head=h0, group_heads=g,
+                             slot_base=h0 * S * groups.K, I=I, deterministic=deterministic)
+            groups.finish(h0, g, out, interpret)
+        return y
     bi = config.block_i
     descs = (TensorDescriptor.from_tensor(wg_t, [1, bi, D]),
              TensorDescriptor.from_tensor(wu_t, [1, bi, D]),
              TensorDescriptor.from_tensor(wd_t, [1, D, bi]))
-    groups = HeadGroups(y, gather_ids, offsets, E, deterministic, "expert_forward_fp8")
     for h0, g, routes, out in groups:
         max_tiles = triton.cdiv(routes, config.block_m) + g * E
         tile_expert, tile_first = tile_map(offsets, h0 * E, g * E, config.block_m, max_tiles)

@@ -326,16 +326,21 @@ def _gate_up_rest(xh, stages, ready, empty, gu, n, D: gl.constexpr, NSTAGE: gl.c
 
 
 @gluon.jit
+def _swiglu7_fp32(g, u):
+    """`expert_forward.swiglu7_tile` in Gluon, the same operations in the same order:
+    g * sigmoid(1.702 g) with one ex2 and the fast reciprocal (also the fp8 kernel's)."""
+    g = gl.minimum(g, 7.0)
+    u = gl.minimum(gl.maximum(u, -7.0), 7.0)
+    return gl.fdiv(g, 1.0 + gl.exp2(-2.4554669595930157 * g)) * (u + 1.0)
+
+
+@gluon.jit
 def _swiglu7(gu, a_layout: gl.constexpr):
     """a = swiglu7(g, u) in bf16, the wgmma A operand of the down product. In the
     accumulator layout a thread holds columns j and j + 64 alike, so the split of the
     [64, 128] gate|up accumulator stays in registers."""
     g, u = gu.reshape([64, 2, 64]).permute((0, 2, 1)).split()
-    g = gl.minimum(g, 7.0)
-    u = gl.minimum(gl.maximum(u, -7.0), 7.0)
-    # As in the Triton kernel: g * sigmoid(1.702 g) with one ex2 and the fast reciprocal.
-    a = gl.fdiv(g, 1.0 + gl.exp2(-2.4554669595930157 * g)) * (u + 1.0)
-    return gl.convert_layout(a.to(gl.bfloat16), a_layout)
+    return gl.convert_layout(_swiglu7_fp32(g, u).to(gl.bfloat16), a_layout)
 
 
 @gluon.jit
@@ -360,6 +365,23 @@ def _combine_half(ptrs, part, row_ok, DETERMINISTIC: gl.constexpr):
             mov.u32 $1, 0;
             }""",
             "=r,=r,l,l,f,f,r,r", [addr, part, ok], dtype=gl.int32, is_pure=False, pack=2)
+
+
+@gluon.jit
+def _half_rows(first, end, f, probs_ptr, slot_ptr, gather_ids_ptr, E, first_head, group_heads,
+               slot_base, rows_layout: gl.constexpr, DETERMINISTIC: gl.constexpr):
+    """The 64 routes first .. first + 63 of expert f (rows_layout): (below end, their
+    probabilities, the out row each one's result goes to as `expert_forward.combine_rows`
+    places it: its slot in deterministic mode, else its (token, head) row)."""
+    rows = first + gl.arange(0, 64, layout=rows_layout)
+    row_ok = rows < end
+    prob = gl.load(probs_ptr + rows, mask=row_ok, other=0.0).to(gl.float32)
+    if DETERMINISTIC:
+        dst = gl.load(slot_ptr + rows, mask=row_ok, other=0) - slot_base
+    else:
+        tok = gl.load(gather_ids_ptr + rows, mask=row_ok, other=0).to(gl.int64)
+        dst = tok * group_heads + (f // E - first_head)
+    return row_ok, prob, dst
 
 
 @gluon.jit
@@ -439,14 +461,9 @@ def _mma_partition(W: gl.constexpr, xs, stages, ready, empty, x_ready, x_empty, 
         blk += 1
         k += 1
 
-        rows = row0 + W * 64 + gl.arange(0, 64, layout=rows_layout)
-        row_ok = rows < end
-        prob = gl.load(probs_ptr + rows, mask=row_ok, other=0.0).to(gl.float32)
-        if DETERMINISTIC:
-            dst = gl.load(slot_ptr + rows, mask=row_ok, other=0) - slot_base
-        else:
-            tok = gl.load(gather_ids_ptr + rows, mask=row_ok, other=0).to(gl.int64)
-            dst = tok * group_heads + (f // E - first_head)
+        row_ok, prob, dst = _half_rows(row0 + W * 64, end, f, probs_ptr, slot_ptr,
+                                       gather_ids_ptr, E, first_head, group_heads, slot_base,
+                                       rows_layout, DETERMINISTIC)
         base = out_ptr + dst[:, None] * D + cols[None, :]
         _combine_half(base, acc_lo * prob[:, None], row_ok, DETERMINISTIC)
         _combine_half(base + 128, acc_hi * prob[:, None], row_ok, DETERMINISTIC)

@@ -69,15 +69,22 @@ def _split_weight_kernel(w_ptr, parts_ptr, N, BLOCK: tl.constexpr):
     """
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < N
-    w = tl.load(w_ptr + offs, mask=ok, other=0.0)
+    w1, w2, w3 = split_bf16x3(tl.load(w_ptr + offs, mask=ok, other=0.0))
+    tl.store(parts_ptr + offs, w1, mask=ok)
+    tl.store(parts_ptr + N + offs, w2, mask=ok)
+    tl.store(parts_ptr + 2 * N + offs, w3, mask=ok)
+
+
+@triton.jit
+def split_bf16x3(w):
+    """fp32 w -> bf16 (w1, w2, w3) with w1 + w2 + w3 == w exactly (the argument:
+    `_split_weight_kernel`; also the router backward's split of d logits)."""
     finite = tl.abs(w) < float("inf")  # false for NaN too
     w1 = tl.where(finite, _truncate_to_bf16(w), w)
     r = tl.where(finite, w - w1, 0.0)
     w2 = _truncate_to_bf16(r)
     w3 = r - w2
-    tl.store(parts_ptr + offs, w1.to(tl.bfloat16), mask=ok)
-    tl.store(parts_ptr + N + offs, w2.to(tl.bfloat16), mask=ok)
-    tl.store(parts_ptr + 2 * N + offs, w3.to(tl.bfloat16), mask=ok)
+    return w1.to(tl.bfloat16), w2.to(tl.bfloat16), w3.to(tl.bfloat16)
 
 
 @triton.jit

@@ -10,7 +10,9 @@ on the device). Tests and benchmarks can pass their own configs instead.
     combine_workspace_bytes()  the expert combine's workspace limit (bytes)
     expert_backward_config()   ExpertBackwardConfig  kernels/expert_backward.py
     fp8_forward_config()       Fp8ForwardConfig      kernels/expert_forward_fp8.py
+    fp8_forward_sm90_config()  Fp8ForwardSm90Config  kernels/expert_forward_fp8_sm90.py
     logits_route_config()      LogitsRouteConfig     kernels/router_logits.py
+    router_backward_config()   RouterBackwardConfig  kernels/router_backward.py
     route_tiles(), shortlist_route_tiles()  RouteTiles, ShortlistRouteTiles  kernels/topk.py
     layout_block_t(), layout_chunk(), ..., LAYOUT_SCAN_TILES           kernels/layout.py
 
@@ -260,25 +262,37 @@ class ExpertForwardSm90Config:
     mma_regs: int
     load_regs: int
 
+    def shared_bytes(self) -> int:
+        """Shared memory of the kernel's x tile and ring at these tiles (D = 256)."""
+        return self.block_m * 256 * 2 + self.num_stages * self.block_i * 2 * self.block_i * 2
+
+    def block_stages(self) -> int:
+        """Ring stages one warpgroup's block holds at once (D = 256: a slice's two down
+        chunks and four gate|up chunks). The ring needs as many: a warpgroup waits for
+        the last of them while the other has not yet read the first."""
+        return 2 + 256 // 64
+
     def __post_init__(self) -> None:
+        name = type(self).__name__
         if (self.block_m, self.block_i, self.num_warps) != (128, 64, 4):
-            raise ValueError("ExpertForwardSm90Config: the Gluon kernel is written for "
-                             "block_m=128, block_i=64, num_warps=4; got "
+            raise ValueError(f"{name}: the Gluon kernel is written for block_m=128, "
+                             "block_i=64, num_warps=4; got "
                              f"{self.block_m}, {self.block_i}, {self.num_warps}")
-        x_tile = self.block_m * 256 * 2  # bf16, D = 256
-        ring = self.num_stages * self.block_i * 2 * self.block_i * 2
-        if self.num_stages < 1 or x_tile + ring + 1024 > _SMEM_BYTES[(9, 0)]:
-            raise ValueError(f"ExpertForwardSm90Config.num_stages={self.num_stages}: the ring "
-                             "and the x tile must fit the sm_90 shared memory")
-        for name in ("mma_regs", "load_regs"):
-            value = getattr(self, name)
+        if self.num_stages < self.block_stages():
+            raise ValueError(f"{name}.num_stages={self.num_stages}: the ring must hold a "
+                             f"block's {self.block_stages()} stages, or the kernel hangs")
+        if self.shared_bytes() + 1024 > _SMEM_BYTES[(9, 0)]:
+            raise ValueError(f"{name}.num_stages={self.num_stages}: the ring and the x tile "
+                             "must fit the sm_90 shared memory")
+        for field in ("mma_regs", "load_regs"):
+            value = getattr(self, field)
             if value % 8 or not 24 <= value <= 256:
-                raise ValueError(f"ExpertForwardSm90Config.{name} must be a multiple of 8 in "
-                                 f"[24, 256] (setmaxnreg), got {value}")
+                raise ValueError(f"{name}.{field} must be a multiple of 8 in [24, 256] "
+                                 f"(setmaxnreg), got {value}")
         if 2 * self.mma_regs + self.load_regs > 3 * self.maxnreg:
-            raise ValueError("ExpertForwardSm90Config: two MMA warpgroups of mma_regs and one "
-                             "of load_regs must fit the 3 * maxnreg registers a thread the "
-                             "launch reserves")
+            raise ValueError(f"{name}: two MMA warpgroups of mma_regs and one of load_regs "
+                             "must fit the 3 * maxnreg registers a thread the launch "
+                             "reserves")
 
 
 # Ten 16 KB stages fill what the x tile leaves of the 227 KB. 240 registers for the MMA
@@ -306,12 +320,17 @@ class Fp8ForwardConfig:
     block_m, num_warps, num_stages: as `ExpertForwardConfig`'s.
     block_i:    must be `fp8.ACT_BLOCK`: the SwiGLU7 output's scales are per row and
                 per slice of block_i columns, so it is part of the numerics.
+    warp_specialized: the Gluon kernel of `kernels/expert_forward_fp8_sm90.py` (sm_90,
+                bf16 x, D = 256, I a multiple of 64) at the tiles of
+                `fp8_forward_sm90_config()`, with the same numerics; a config that asks
+                for it where it cannot run raises ValueError.
     """
 
     block_m: int
     block_i: int
     num_warps: int
     num_stages: int
+    warp_specialized: bool = False
 
     def __post_init__(self) -> None:
         check_tiles(self, ("block_m", "block_i"))
@@ -333,6 +352,37 @@ FP8_FORWARD_SM90 = (
 FP8_FORWARD_INTERPRETER = (
     (float("inf"), Fp8ForwardConfig(block_m=32, block_i=64, num_warps=4, num_stages=1)),
 )
+
+
+@dataclass(frozen=True)
+class Fp8ForwardSm90Config(ExpertForwardSm90Config):
+    """Tiles and register budget of the fp8 Gluon kernel (`kernels/expert_forward_fp8_sm90.py`):
+    the fields of `ExpertForwardSm90Config`, with its own shared memory: the bf16 x tile
+    (64 KB), its e4m3 copy (32 KB), the quantized SwiGLU output of each warpgroup (2 x
+    4 KB), and num_stages ring stages of 16 KB of e4m3 weights plus 512 bytes of channel
+    scales. An MMA warpgroup holds its [64, 256] fp32 accumulator (128 registers) and the
+    [64, 128] gate|up accumulator (64)."""
+
+    def shared_bytes(self) -> int:
+        return (self.block_m * 256 * 3 + self.block_m * 64
+                + self.num_stages * (128 * 128 + 2 * 64 * 4))
+
+    def block_stages(self) -> int:
+        """A down chunk and two gate|up chunks (D = 256)."""
+        return 1 + 256 // 128
+
+
+# Seven stages (2.3 slices of I ahead) fill what the x tiles leave of the 227 KB; the
+# register budget is the bf16 kernel's. Not in FP8_FORWARD_SM90 yet: the kernel has been
+# compiled, not run (docs/fp8.md, "The warp-specialised fp8 kernel").
+FP8_FORWARD_SM90_GLUON = Fp8ForwardSm90Config(block_m=128, block_i=64, num_warps=4,
+                                              num_stages=7, maxnreg=168, mma_regs=240,
+                                              load_regs=24)
+
+
+def fp8_forward_sm90_config() -> Fp8ForwardSm90Config:
+    """The fp8 Gluon kernel's tiles (it runs on sm_90 only, so there is one row)."""
+    return FP8_FORWARD_SM90_GLUON
 
 
 def fp8_forward_config(device: torch.device, rows_per_expert: float,
@@ -746,3 +796,59 @@ ROW_KEYS_TILES_INTERPRET = (256, 256)
 def row_keys_tiles(interpret: bool) -> tuple[int, int]:
     """(BLOCK_R, BLOCK_C) of the content-key kernel."""
     return ROW_KEYS_TILES_INTERPRET if interpret else ROW_KEYS_TILES
+
+
+# The router logits' backward on tensor cores (kernels/router_backward.py).
+
+
+@dataclass(frozen=True)
+class RouterBackwardConfig:
+    """Tiles of both router backward kernels: dx programs own [block_s, block_d] of a
+    head's dx and step over E by block_e; d gate programs own [block_e, block_d] of a
+    head's d gate and step over a chunk of its tokens by block_s. dgate_chunk: tokens a
+    d gate chunk at least (a multiple of block_s; `router_dgate_chunks`)."""
+
+    block_s: int
+    block_e: int
+    block_d: int
+    num_warps: int
+    num_stages: int
+    dgate_chunk: int
+
+    def __post_init__(self) -> None:
+        check_tiles(self, ("block_s", "block_e", "block_d"))
+        if self.dgate_chunk < self.block_s or self.dgate_chunk % self.block_s:
+            raise ValueError(f"RouterBackwardConfig.dgate_chunk={self.dgate_chunk} must be a "
+                             f"positive multiple of block_s={self.block_s}")
+
+
+# One warpgroup, [64, 128] fp32 accumulators (64 registers a thread), K steps of 64:
+# bf16 dots of m64n128k16 wgmmas, their A operands (the split d logits) from registers.
+# One stage: with 2 or 3, Triton 3.6 pipelines the last dot of a step across the loop's
+# back-edge and the next step's loads and splits write the registers of that wgmma's A
+# operand while it may still read them (the SASS audit finds 68-207 such writes a kernel;
+# the race of docs/routing.md). d gate chunks of 4,096 tokens: 8 at S = 32,768, 768
+# programs at MAGI-2's dims. Not yet measured (docs/routing.md, "The router's backward on
+# tensor cores").
+ROUTER_BACKWARD_SM90 = RouterBackwardConfig(block_s=64, block_e=64, block_d=128, num_warps=4,
+                                            num_stages=1, dgate_chunk=4096)
+# Small chunks, so that the tests' few hundred tokens still make several.
+ROUTER_BACKWARD_INTERPRETER = RouterBackwardConfig(block_s=32, block_e=32, block_d=64,
+                                                   num_warps=4, num_stages=1, dgate_chunk=64)
+# At most this many d gate chunks (the partial sums take P times d gate's 3 MB).
+ROUTER_DGATE_MAX_CHUNKS = 16
+
+
+def router_backward_config(interpreting: bool) -> RouterBackwardConfig:
+    """The router backward kernels' tiles (GPU: sm_90's; the interpreter: small ones)."""
+    return ROUTER_BACKWARD_INTERPRETER if interpreting else ROUTER_BACKWARD_SM90
+
+
+def router_dgate_chunks(S: int, config: RouterBackwardConfig) -> tuple[int, int]:
+    """(P, chunk): the d gate kernel cuts each head's S tokens into P chunks of `chunk`
+    tokens (the last one shorter): config.dgate_chunk, or longer where that would make
+    more than ROUTER_DGATE_MAX_CHUNKS, in whole blocks. From S alone, so that a head's
+    sum has the same order whichever heads share the launch and whatever the GPU."""
+    chunk = max(config.dgate_chunk, -(-S // ROUTER_DGATE_MAX_CHUNKS))
+    chunk = -(-chunk // config.block_s) * config.block_s
+    return max(1, -(-S // chunk)), chunk
