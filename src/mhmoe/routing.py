@@ -305,20 +305,20 @@ def _router_logits_backward(grad, x_heads, gate, need_x: bool, need_gate: bool,
     d gate sums over tokens; deterministic: in each head's content order."""
     grad = grad.to(gate.dtype)
     grad_x = grad_gate = None
+    # Each head's tokens in content order, for a d gate bitwise under permutations.
+    order = (torch.argsort(content_keys(x_heads, grad.transpose(0, 1)), dim=1, stable=True)
+             if need_gate and deterministic else None)
     if router_backward_kernels(x_heads, gate, triton):
         if need_x:
             grad_x = _router_dx_op(grad, gate, x_heads)
         if need_gate:
-            order = (torch.argsort(content_keys(x_heads, grad.transpose(0, 1)), dim=1,
-                                   stable=True) if deterministic else None)
             grad_gate = _router_dgate_op(grad, x_heads, order)
         return grad_x, grad_gate
     if need_x:
         grad_x = torch.bmm(grad, gate).transpose(0, 1).to(x_heads.dtype)
-    if need_gate and deterministic:
+    if order is not None:
         # A head at a time: the sorted copies of d logits and x stay one head's size
         # (0.05 GB at S=32,768 for MAGI-2, against 0.6 GB for all heads at once).
-        order = torch.argsort(content_keys(x_heads, grad.transpose(0, 1)), dim=1, stable=True)
         grad_gate = torch.stack([grad[h, order[h]].t() @ x_heads[order[h], h].to(gate.dtype)
                                  for h in range(gate.shape[0])])
     elif need_gate:
