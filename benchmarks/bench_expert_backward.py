@@ -1,7 +1,8 @@
 """Check and time the fused expert backward at MAGI-2 dims (run on a GPU machine).
 
     PYTHONPATH=src python3 benchmarks/bench_expert_backward.py [--sizes 4096,32768]
-        [--sweep "dx=m/i/w/s,dw=m/i/w/s,panel=m/n/k/w/s[/tma]|none;..."] [--skip-checks]
+        [--sweep "dx=m/i/w/s,dw=m/i/w/s,panel=m/n/k/w/s[/tma]|none,pdx=i/w/s,ws=1;..."]
+        [--skip-checks]
         [--out OUT.json] [--no-record]
     PYTHONPATH=src python3 benchmarks/bench_expert_backward.py --cpu    (a dry run)
 
@@ -12,8 +13,9 @@ upcast inputs, next to the error of the PyTorch fp32 backward
 and mode (default / deterministic): the forward, the backward and forward+backward
 (`mhmoe.bench.bench_ms`), with the peak memory beyond inputs, outputs and gradients.
 --sweep: backward tile configs over the default ones of `tuning.expert_backward_config`
-(ExpertForwardConfig / PanelGemmConfig fields in order, booleans as 0/1; panel=none:
-the recomputing dW kernel), timed at the largest S in default mode in shuffled
+(ExpertForwardConfig / PanelGemmConfig / PanelDxConfig fields in order, booleans as 0/1;
+panel=none: the recomputing dW kernel; pdx: dx from the panels; ws=1 with pdx: the Gluon
+panel kernel), timed at the largest S in default mode in shuffled
 interleaved rounds against the default tiles (`mhmoe.bench.interleaved`,
 docs/measuring.md), with the largest relative difference of their gradients from the
 default's. A table last.
@@ -61,6 +63,7 @@ from mhmoe.kernels.expert_forward import triton_expert_forward
 from mhmoe.kernels.tuning import (
     ExpertBackwardConfig,
     ExpertForwardConfig,
+    PanelDxConfig,
     PanelGemmConfig,
     expert_backward_config,
 )
@@ -167,15 +170,24 @@ def time_size(st: Setup, S: int, gen, weights, det: bool) -> dict:
 
 
 def parse_config(spec: str, default: ExpertBackwardConfig) -> ExpertBackwardConfig:
-    """'dx=m/i/w/s,dw=m/i/w/s,panel=m/n/k/w/s[/tma]' over `default` (fields in the
-    dataclasses' order, booleans as 0/1); 'panel=none': recompute."""
-    tiles = {}
+    """'dx=m/i/w/s,dw=m/i/w/s,panel=m/n/k/w/s[/tma],pdx=i/w/s[/tma],ws=0|1' over
+    `default` (fields in the dataclasses' order, booleans as 0/1); 'panel=none':
+    recompute; pdx: dx from the panels (`PanelDxConfig`); ws=1: with pdx, the Gluon
+    panel kernel (dx.warp_specialized)."""
+    tiles, ws = {}, None
     for part in spec.split(","):
         key, value = part.split("=")
         if key == "panel":
             tiles[key] = None if value == "none" else PanelGemmConfig(*map(int, value.split("/")))
+        elif key == "pdx":
+            tiles["panel_dx"] = (None if value == "none"
+                                 else PanelDxConfig(*map(int, value.split("/"))))
+        elif key == "ws":
+            ws = bool(int(value))
         else:
             tiles[key] = ExpertForwardConfig(*map(int, value.split("/")))
+    if ws is not None:
+        tiles["dx"] = dataclasses.replace(tiles.get("dx", default.dx), warp_specialized=ws)
     return dataclasses.replace(default, **tiles)
 
 

@@ -10,6 +10,8 @@ same math in fp32), whose error against the oracle sets the bar.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -21,6 +23,7 @@ import mhmoe.kernels.tuning as tuning  # noqa: E402
 from mhmoe.kernels.tuning import (  # noqa: E402
     ExpertBackwardConfig,
     ExpertForwardConfig,
+    PanelDxConfig,
     PanelGemmConfig,
     expert_backward_config,
 )
@@ -35,7 +38,10 @@ RECOMPUTE = ExpertBackwardConfig(dx=BIG.dx, dw=BIG.dw)
 SMALL = ExpertBackwardConfig(dx=ExpertForwardConfig(16, 16, 4, 1, tma=False),
                              dw=ExpertForwardConfig(16, 16, 4, 1),
                              panel=PanelGemmConfig(16, 16, 16, 4, 1, tma=False))
-PATHS = {"panels": BIG, "recompute": RECOMPUTE}
+# dx from the panels in a GEMM of its own (the dx kernel leaves its products out).
+SPLIT = ExpertBackwardConfig(dx=BIG.dx, dw=BIG.dw, panel=BIG.panel,
+                             panel_dx=PanelDxConfig(32, 4, 1))
+PATHS = {"panels": BIG, "recompute": RECOMPUTE, "split": SPLIT}
 NAMES = ("dx", "dprobs", "d_gate", "d_up", "d_down")
 # Relative error (vs float64) no gradient may exceed, by dtype of x and weights.
 FLOOR = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 8e-3}
@@ -176,23 +182,79 @@ def test_every_route_on_one_expert(rng, deterministic, path):
           config=PATHS[path])
 
 
-def test_small_tiles(rng):
-    # 16-row, 16-wide tiles and pointer loads: many tiles and slices per expert.
-    check(rng, 21, 2, 3, 2, 32, 48, config=SMALL)
+@pytest.mark.parametrize("split", [False, True])
+def test_small_tiles(rng, split):
+    # 16-row, 16-wide tiles and pointer loads: many tiles and slices per expert (split:
+    # dx from the panels, pointer loads, 32-wide steps of I = 48: the last one partial).
+    cfg = SMALL if not split else dataclasses.replace(
+        SMALL, panel_dx=PanelDxConfig(32, 4, 1, tma=False))
+    check(rng, 21, 2, 3, 2, 32, 48, config=cfg)
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_split_dx_is_the_dx_kernels(rng, deterministic, dtype):
+    # dx from the panels sums the same products as the dx kernel, in the same order at
+    # the same step of I: the interpreter's dots give the same bits; every other output
+    # comes from the same kernels either way.
+    problem = make_problem(rng, 11, 2, 3, 2, 32, 64, dtype=dtype)
+    fused = run(*problem, config=BIG, deterministic=deterministic)
+    split = run(*problem, config=SPLIT, deterministic=deterministic)
+    for name, a, b in zip(NAMES, fused, split, strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_gluon_panel_kernel_asked_where_it_cannot_run(rng):
+    # The Gluon panel kernel runs on sm_90 only (bf16, D = 256, I a multiple of 64): a
+    # config that asks for it elsewhere is refused, not run on another path.
+    problem = make_problem(rng, 5, 2, 3, 2, 32, 32)
+    with pytest.raises(ValueError, match="warp_specialized needs an sm_90 GPU"):
+        run(*problem, config=tuning.SM90_SPLIT_WS)
+
+
+def test_split_asked_where_panels_do_not_fit(rng, monkeypatch):
+    # dx from the panels needs the panels: a config that asks for it where one head's
+    # panels pass the workspace limit is refused (the default recomputes, with a warning).
+    monkeypatch.setattr(tuning, "PANEL_WORKSPACE_BYTES", 1)
+    problem = make_problem(rng, 5, 2, 3, 2, 32, 32)
+    with pytest.raises(ValueError, match="PANEL_WORKSPACE_BYTES"):
+        run(*problem, config=SPLIT)
+
+
+def test_split_config_checks():
+    with pytest.raises(ValueError, match="needs panels"):
+        ExpertBackwardConfig(dx=BIG.dx, dw=BIG.dw, panel_dx=PanelDxConfig(32, 4, 1))
+    ws = dataclasses.replace(BIG.dx, warp_specialized=True)
+    with pytest.raises(ValueError, match="panel_dx"):
+        ExpertBackwardConfig(dx=ws, dw=BIG.dw, panel=BIG.panel)
+    with pytest.raises(ValueError, match="128 rows"):  # BIG.dx has 32-row tiles
+        ExpertBackwardConfig(dx=ws, dw=BIG.dw, panel=BIG.panel, panel_dx=PanelDxConfig(32, 4, 1))
+    with pytest.raises(ValueError, match="no cluster variant"):
+        ExpertBackwardConfig(dx=dataclasses.replace(ws, block_m=128, cluster=2), dw=BIG.dw,
+                             panel=BIG.panel, panel_dx=PanelDxConfig(32, 4, 1))
+    with pytest.raises(ValueError, match="block_i must be a power of two"):
+        PanelDxConfig(24, 4, 1)
+    steps, cfg = [], PanelDxConfig(32, 4, 2)
+    while cfg is not None:
+        steps.append((cfg.block_i, cfg.num_stages))
+        cfg = tuning.step_down_panel_dx(cfg)
+    assert steps == [(32, 2), (32, 1), (16, 1)]
+
+
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("dtype,wdtype", [(torch.bfloat16, torch.bfloat16),
                                           (torch.float32, torch.float32),
                                           (torch.float32, torch.bfloat16)])
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_panel_groups(rng, monkeypatch, deterministic, dtype, wdtype):
+def test_panel_groups(rng, monkeypatch, deterministic, dtype, wdtype, split):
     # Panels that hold one head at a time: one dx launch and three panel GEMMs per
     # head, the dx combine capped to the same heads (float32 dx: a workspace per
     # group, not the result itself, which only a single group may add into).
     elem = 2 if dtype == wdtype == torch.bfloat16 else 4
     per_head = eb._panel_rows(9, 3, 9 * 3 * 2, 4, 1, 32) * (2 * 32 + 3 * 48) * elem
     monkeypatch.setattr(tuning, "PANEL_WORKSPACE_BYTES", per_head)
-    check(rng, 9, 3, 4, 2, 32, 48, dtype=dtype, wdtype=wdtype, deterministic=deterministic)
+    check(rng, 9, 3, 4, 2, 32, 48, dtype=dtype, wdtype=wdtype, deterministic=deterministic,
+          config=SPLIT if split else BIG)
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
@@ -266,20 +328,21 @@ def test_head_groups(rng, monkeypatch, deterministic, D):
     check(rng, 5, 3, 3, 2, D, 16, deterministic=deterministic)
 
 
-def test_deterministic_bitwise(rng):
+@pytest.mark.parametrize("path", ["panels", "split"])
+def test_deterministic_bitwise(rng, path):
     # The kernels alone: bitwise equal run to run; under a token permutation dx and
     # dprobs permute bitwise, while the weight gradients (sums over an expert's routes
     # in layout order) agree up to rounding. The op hands the kernels a layout in
     # content order, which makes them bitwise too (tests/test_experts.py).
     S, H, E, K = 12, 2, 4, 3
     x, probs, indices, wg, wu, wd, dy = make_problem(rng, S, H, E, K, 32, 32)
-    first = run(x, probs, indices, wg, wu, wd, dy, deterministic=True, config=BIG)
-    again = run(x, probs, indices, wg, wu, wd, dy, deterministic=True, config=BIG)
+    first = run(x, probs, indices, wg, wu, wd, dy, deterministic=True, config=PATHS[path])
+    again = run(x, probs, indices, wg, wu, wd, dy, deterministic=True, config=PATHS[path])
     for name, a, b in zip(NAMES, first, again, strict=True):
         assert torch.equal(a, b), name
     perm = torch.randperm(S, generator=rng)
     moved = run(x[perm], probs[:, perm], indices[:, perm], wg, wu, wd, dy[perm],
-                deterministic=True, config=BIG)
+                deterministic=True, config=PATHS[path])
     assert torch.equal(moved[0], first[0][perm])
     assert torch.equal(moved[1], first[1][:, perm])
     for name, a, b in zip(NAMES[2:], moved[2:], first[2:], strict=True):

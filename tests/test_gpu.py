@@ -542,6 +542,66 @@ def test_backward_panel_head_groups_bitwise_on_gpu(monkeypatch):
         assert torch.equal(a, b), name
 
 
+@pytest.mark.parametrize("S,H,E,K,I,edge", [
+    (300, 2, 8, 2, 192, "tiles ending inside an expert's rows"),
+    (200, 2, 4, 2, 64, "one slice of I"),
+    (1000, 3, 16, 4, 320, "every head-0 token on expert 0, the last experts empty"),
+    (512, 4, 8, 2, 128, "panels of one head a launch"),
+    (1100, 2, 8, 4, 128, "last tiles of 64 rows or fewer"),
+    (8192, 2, 8, 4, 64, "about 4 tiles a program, one slice of I (phases across tiles)"),
+    (4096, 12, 256, 6, 1280, "MAGI-2's expert shapes"),
+])
+def test_split_backward_and_gluon_panel_kernel(S, H, E, K, I, edge, monkeypatch):
+    # dx from the panels (tuning.SM90_SPLIT), the panels written by the Triton dx kernel
+    # without its products or by the Gluon panel kernel (SM90_SPLIT_WS). In this order:
+    # the Gluon path bitwise run to run; both as accurate against float64 as the fused
+    # default; the default mode differs from the deterministic one only in dx; the Gluon
+    # panels give the Triton ones' dx and weight gradients bitwise (g, u and t summed by
+    # wgmma in the same K order, the same SwiGLU7 backward), dprobs within rounding (its
+    # row sums follow each kernel's register layout). Should that last equality fail, see
+    # first how far the dg, du panels differ (an HGMMA's bits depending on its N would show
+    # there) before suspecting a race.
+    import mhmoe.kernels.expert_backward as eb
+    import mhmoe.kernels.tuning as tuning
+    from mhmoe.reference import expert_backward_reference
+
+    x, (wg, wu, wd), probs, scores, gen = gluon_case(S, H, E, K, I, edge, None, monkeypatch)
+    D = x.shape[2]
+    dy = torch.randn(S, H, D, device="cuda", generator=gen).bfloat16()
+    layout = mhmoe.sort_routes(probs, scores.topk(K, dim=-1).indices, E)
+    R = layout.gather_ids.numel()
+    if "one head" in edge:
+        per_head = eb._panel_rows(S, H, R, E, 1, 128) * (2 * D + 3 * I) * 2
+        monkeypatch.setattr(tuning, "PANEL_WORKSPACE_BYTES", per_head)
+
+    def run(config, deterministic=True):
+        return eb.triton_expert_backward(dy, x, *layout, wg, wu, wd,
+                                         deterministic=deterministic, config=config)
+
+    names = ("dx", "dprobs", "dWg", "dWu", "dWd")
+    ws_det = run(tuning.SM90_SPLIT_WS)
+    for name, a, b in zip(names, ws_det, run(tuning.SM90_SPLIT_WS), strict=True):
+        assert torch.equal(a, b), (edge, name)
+    fused = run(None)
+    tri = run(tuning.SM90_SPLIT)
+    ws = run(tuning.SM90_SPLIT_WS, deterministic=False)
+    if S * H * K <= 20000:
+        ref = expert_backward_reference(dy.double(), x.double(), layout.gather_ids,
+                                        layout.sorted_probs.double(), layout.offsets,
+                                        wg.double(), wu.double(), wd.double())
+        for i, name in enumerate(names):
+            bar = 1.05 * rel_err(fused[i], ref[i]) + 1e-4
+            for label, out in (("split", tri), ("ws", ws_det), ("ws default", ws)):
+                assert rel_err(out[i], ref[i]) <= bar, (edge, label, name)
+    assert rel_err(ws[0], ws_det[0]) < 1e-4, edge
+    for name, a, b in zip(names[1:], ws[1:], ws_det[1:], strict=True):
+        assert torch.equal(a, b), (edge, name)
+    assert rel_err(ws_det[1], tri[1]) < 1e-5, edge
+    for name, a, b in zip(names, ws_det, tri, strict=True):
+        if name != "dprobs":
+            assert torch.equal(a, b), (edge, name)
+
+
 # ---------------------------------------------------------------------------------------
 # fp8 experts (kernels/expert_forward_fp8.py, docs/fp8.md)
 # ---------------------------------------------------------------------------------------

@@ -79,15 +79,17 @@ def test_compiled_sm90_kernels_have_no_register_a_hazards():
     names = [r["kernel"] for r in shipped]
     for prefix in ("logits", "expert forward", "expert forward ws", "expert forward fp8",
                    "expert forward fp8 ws", "expert dx", "expert dW", "panel dW",
-                   "router dx", "router d gate", "row keys"):
+                   "panel dx", "expert panels ws", "router dx", "router d gate", "row keys"):
         assert any(n.startswith(prefix) for n in names), (prefix, names)
     assert [r for r in shipped if r["hazards"]] == []
     # not vacuous: the expert forward and dx kernels (bf16 HGMMAs, the Triton fp8 kernel's
     # QGMMAs) and the router backward's do feed wgmmas from registers (the fp8 Gluon
-    # kernel stages both operands in shared memory: none of its wgmmas can have the hazard)
+    # kernel stages both operands in shared memory: none of its wgmmas can have the hazard;
+    # the dx kernel without dx has no product with a register operand left)
     assert all(r["hgmma_register_a"] > 0 for r in shipped
                if r["kernel"].startswith(("expert forward", "expert dx", "router"))
-               and not r["kernel"].startswith("expert forward fp8 ws"))
+               and not r["kernel"].startswith("expert forward fp8 ws")
+               and not r["kernel"].endswith("no dx"))
     # The Gluon kernel keeps wgmma groups in flight where it asks to (ptxas serialises
     # every wgmma, silently but for an info line, when its registers run short).
     # Both modes, one CTA and the cluster variant.
@@ -113,6 +115,19 @@ def test_compiled_sm90_kernels_have_no_register_a_hazards():
         assert r["async_waits"] >= 6, r
         default = "deterministic" not in r["kernel"]
         assert r["reductions"] == (128 if default else 0) and r["fp32_atomics"] == 0, r
+    # The backward's Gluon panel kernel: per MMA warpgroup and slice, gate|up as N = 128
+    # over four K = 64 chunks and t as N = 64 over four, both from shared memory; one
+    # wgmma kept in flight while the next is issued (7 waits a block: each stage goes back
+    # to the loader as soon as its wgmmas retired); no combine (dx comes from the panels).
+    panels = [r for r in shipped if r["kernel"].startswith("expert panels ws")]
+    assert len(panels) == 1, panels
+    r = panels[0]
+    assert r["wgmmas"] == {"HGMMA.64x128x16": 32, "HGMMA.64x64x16": 32}, r
+    assert r["async_waits"] >= 14 and r["hgmma_register_a"] == 0, r
+    assert r["reductions"] == 0 and r["fp32_atomics"] == 0, r
+    # dx from the panels: one N = 256 product a step of 64 (gate, then up), both modes.
+    for r in (r for r in shipped if r["kernel"].startswith("panel dx")):
+        assert r["wgmmas"] == {"HGMMA.64x256x16": 8}, r
 
 
 _CLUSTER_PROBE = """

@@ -9,6 +9,7 @@
     expert_forward_fp8.py   the expert forward with fp8 (e4m3) weights (sm_89 and later)
     expert_forward_fp8_sm90.py  the same contract in Gluon, warp-specialised (sm_90 only)
     expert_backward.py      the expert backward (dx, dprobs, weight gradients)
+    expert_panels_sm90.py   its panel kernel (g, u, t, dprobs, panels) in Gluon (sm_90 only)
     row_keys.py             content keys of (token, head) rows (deterministic sums)
     tuning.py               every per-architecture tile table
 
@@ -56,6 +57,7 @@ def sm90_compile_cases() -> list[CompileCase]:
         expert_forward_fp8,
         expert_forward_fp8_sm90,
         expert_forward_sm90,
+        expert_panels_sm90,
         router_backward,
         router_logits,
         row_keys,
@@ -64,5 +66,6 @@ def sm90_compile_cases() -> list[CompileCase]:
     return [*router_logits.sm90_compile_cases(), *expert_forward.sm90_compile_cases(),
             *expert_forward_sm90.sm90_compile_cases(), *expert_forward_fp8.sm90_compile_cases(),
             *expert_forward_fp8_sm90.sm90_compile_cases(),
-            *expert_backward.sm90_compile_cases(), *router_backward.sm90_compile_cases(),
+            *expert_backward.sm90_compile_cases(), *expert_panels_sm90.sm90_compile_cases(),
+            *router_backward.sm90_compile_cases(),
             *row_keys.sm90_compile_cases()]

@@ -47,6 +47,7 @@ backward can be captured in a CUDA graph.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import torch
@@ -64,7 +65,13 @@ from .expert_forward import (
     tile_rows,
     tma_fits,
 )
-from .tuning import ExpertBackwardConfig, PanelGemmConfig, interpreting, step_down_panel
+from .tuning import (
+    ExpertBackwardConfig,
+    PanelGemmConfig,
+    interpreting,
+    step_down_panel,
+    step_down_panel_dx,
+)
 
 __all__ = ["triton_expert_backward"]
 
@@ -118,7 +125,7 @@ def _expert_dx_kernel(
     BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, EVEN_I: tl.constexpr, DETERMINISTIC: tl.constexpr,
     UPCAST: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
-    PANELS: tl.constexpr,
+    PANELS: tl.constexpr, DX: tl.constexpr = True,
 ):
     """dx rows and dprobs of one tile of routes.
 
@@ -132,6 +139,8 @@ def _expert_dx_kernel(
     PANELS: also write the tile's rows of x, dy, dg, du and a * p (the
     operands of the weight gradients, as the dots would take them) to panel
     rows [t * BLOCK_M, (t + 1) * BLOCK_M), rows past the expert's end as zeros.
+    DX=False (with PANELS): no dx (`_panel_dx_kernel` computes it from the panels): the
+    program leaves out the dx products, their accumulator and the combine.
     """
     pid = tl.program_id(0)
     e = tl.load(tile_expert_ptr + pid)
@@ -209,16 +218,78 @@ def _expert_dx_kernel(
             tl.store(dgp_ptr + i_panel, dg.to(panel_dtype), mask=i_ok)
             tl.store(dup_ptr + i_panel, du.to(panel_dtype), mask=i_ok)
             tl.store(app_ptr + i_panel, ap.to(panel_dtype), mask=i_ok)
-        acc = tl.dot(dg, tl.trans(wg), acc, input_precision=PRECISION)
-        acc = tl.dot(du, tl.trans(wu), acc, input_precision=PRECISION)
+        if DX:
+            acc = tl.dot(dg, tl.trans(wg), acc, input_precision=PRECISION)
+            acc = tl.dot(du, tl.trans(wu), acc, input_precision=PRECISION)
         if not USE_TMA:
             wg_ptrs += BLOCK_I
             wu_ptrs += BLOCK_I
             wd_ptrs += BLOCK_I * D
 
     tl.store(dprobs_ptr + rows, dprob, mask=row_ok)
-    combine_rows(dx_ptr, slot_ptr, acc, xy_ok, rows, row_ok, tokens, head, d, slot_base,
-                 group_heads, first_head, D, DETERMINISTIC)
+    if DX:
+        combine_rows(dx_ptr, slot_ptr, acc, xy_ok, rows, row_ok, tokens, head, d, slot_base,
+                     group_heads, first_head, D, DETERMINISTIC)
+
+
+@triton.jit
+def _panel_dx_kernel(
+    dgp_ptr, dup_ptr,  # panels dg, du [P, I]: pointers, or descriptors of [BLOCK_M, BLOCK_I] blocks
+    wg_ptr, wu_ptr,  # [H*E, D, I]: pointers, or descriptors of [1, BLOCK_D, BLOCK_I] blocks
+    gather_ids_ptr, offsets_ptr,  # the RouteLayout: [R], [H*E + 1]
+    tile_expert_ptr, tile_first_ptr,  # the dx kernel's tile map: [T_max], [G*E] int32
+    dx_ptr, slot_ptr,  # fp32 [S, G, D] or [G*S*K, D] (deterministic); slots [R]
+    E, first_expert, num_experts, first_head, group_heads, slot_base,
+    D: tl.constexpr, I: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr,
+    DETERMINISTIC: tl.constexpr, UPCAST: tl.constexpr, DOT_FP32: tl.constexpr,
+    PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+):
+    """dx rows of one tile of the dx kernel's panels: dg Wg^T + du Wu^T.
+
+    Launch grid: the dx launch's (T_max,); program t reads panel rows [t * BLOCK_M,
+    (t + 1) * BLOCK_M) (the routes of tile t, zeros past its expert's end), sums the
+    products over I in steps of BLOCK_I, gate then up, in fp32, and combines the rows
+    per (token, head) as `_expert_dx_kernel` does. Programs past the last tile return.
+    The panels hold dg and du as the dx kernel's dots would take them (rounded to the
+    dots' dtype), so the sums are those of its dx products.
+    """
+    pid = tl.program_id(0)
+    e = tl.load(tile_expert_ptr + pid)
+    if e >= num_experts:
+        return
+    f, head, rows, row_ok, tokens = tile_rows(pid, e, tile_first_ptr, offsets_ptr,
+                                              gather_ids_ptr, first_expert, E, BLOCK_M)
+    prow = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    i = tl.arange(0, BLOCK_I)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for i0 in range(0, I, BLOCK_I):
+        if USE_TMA:
+            # The descriptors' bounds zero-fill columns past I.
+            dg = dgp_ptr.load([pid * BLOCK_M, i0])
+            du = dup_ptr.load([pid * BLOCK_M, i0])
+            wg = wg_ptr.load([f.to(tl.int32), 0, i0]).reshape(BLOCK_D, BLOCK_I)
+            wu = wu_ptr.load([f.to(tl.int32), 0, i0]).reshape(BLOCK_D, BLOCK_I)
+        else:
+            i_ok = (i0 + i < I)[None, :]
+            panel = prow[:, None] * I + (i0 + i)[None, :]
+            dg = tl.load(dgp_ptr + panel, mask=i_ok, other=0.0)
+            du = tl.load(dup_ptr + panel, mask=i_ok, other=0.0)
+            w_offs = f * D * I + d[:, None] * I + (i0 + i)[None, :]
+            w_ok = d_ok[:, None] & i_ok
+            wg = tl.load(wg_ptr + w_offs, mask=w_ok, other=0.0)
+            wu = tl.load(wu_ptr + w_offs, mask=w_ok, other=0.0)
+        if UPCAST or DOT_FP32:
+            dg = dg.to(tl.float32)
+            du = du.to(tl.float32)
+            wg = wg.to(tl.float32)
+            wu = wu.to(tl.float32)
+        acc = tl.dot(dg, tl.trans(wg), acc, input_precision=PRECISION)
+        acc = tl.dot(du, tl.trans(wu), acc, input_precision=PRECISION)
+    combine_rows(dx_ptr, slot_ptr, acc, row_ok[:, None] & d_ok[None, :], rows, row_ok, tokens,
+                 head, d, slot_base, group_heads, first_head, D, DETERMINISTIC)
 
 
 @triton.jit
@@ -435,9 +506,10 @@ class _Panels:
         self.D, self.I = D, I
 
     @classmethod
-    def plan(cls, config, x_heads, R, F, I, dot_fp32, w_dtype) -> _Panels | None:
+    def plan(cls, config, x_heads, R, F, I, dot_fp32, w_dtype, warn=True) -> _Panels | None:
         """Panels for this problem, or None for the recomputing dW kernel: no panel
-        config, or one head's panels would pass PANEL_WORKSPACE_BYTES."""
+        config, or one head's panels would pass PANEL_WORKSPACE_BYTES (with `warn`, a
+        warning says so once)."""
         S, H, D = x_heads.shape
         if config.panel is None:
             return None
@@ -448,7 +520,8 @@ class _Panels:
         per_head_bytes = per_head * (2 * D + 3 * I) * dtype.itemsize
         heads = min(H, tuning.PANEL_WORKSPACE_BYTES // per_head_bytes)
         if heads == 0:
-            _warn_recompute(per_head_bytes)
+            if warn:
+                _warn_recompute(per_head_bytes)
             return None
         return cls(config.panel, heads, per_head, D, I, dtype, x_heads.device)
 
@@ -537,12 +610,47 @@ def _backward_dw(grad_y, x_heads, gather_ids, sorted_probs, offsets, w_gate, w_u
     launch_with_step_down(launch, tiles)
 
 
+def _panel_dx(views, tile_expert, tile_first, gather_ids, offsets, w_gate, w_up, out, slots,
+              tiles, *, E, h0, g, slot_base, block_m, deterministic, dot_fp32, precision,
+              interpret):
+    """dx rows of one head group from its dg, du panels into the group's combine
+    workspace `out` (`_panel_dx_kernel` over the dx launch's tiles)."""
+    D, I = w_gate.shape[1], w_gate.shape[2]
+    dgp, dup = views[2], views[3]
+    block_d = triton.next_power_of_2(D)
+    tma_ok = (tma_fits(D, I, w_gate.element_size())
+              and (I * dgp.element_size()) % 16 == 0)
+
+    def launch(t):
+        use_tma = t.tma and tma_ok
+        if use_tma:
+            args = (TensorDescriptor.from_tensor(dgp, [block_m, t.block_i]),
+                    TensorDescriptor.from_tensor(dup, [block_m, t.block_i]),
+                    TensorDescriptor.from_tensor(w_gate, [1, block_d, t.block_i]),
+                    TensorDescriptor.from_tensor(w_up, [1, block_d, t.block_i]))
+        else:
+            args = (dgp, dup, w_gate, w_up)
+        _panel_dx_kernel[(tile_expert.numel(),)](
+            *args, gather_ids, offsets, tile_expert, tile_first, out, slots,
+            E, h0 * E, g * E, h0, g, slot_base,
+            D=D, I=I, BLOCK_M=block_m, BLOCK_I=t.block_i, BLOCK_D=block_d,
+            DETERMINISTIC=deterministic, UPCAST=interpret, DOT_FP32=dot_fp32,
+            PRECISION=precision, USE_TMA=use_tma, num_warps=t.num_warps,
+            num_stages=t.num_stages,
+        )
+
+    return launch_with_step_down(launch, tiles, step_down_panel_dx)
+
+
 def _backward_dx(grad_y, x_heads, gather_ids, sorted_probs, offsets, w_gate, w_up, w_down,
                  dx, dprobs, tiles, deterministic, dot_fp32, precision, interpret,
-                 panels=None, grads=None) -> None:
+                 panels=None, grads=None, panel_dx=None) -> None:
     """dx and dprobs, in groups of heads whose fp32 workspace fits the forward's limits
     (and with `panels`, at most `panels.heads` heads, each launch followed by the
-    weight gradients of its experts from the panels it wrote)."""
+    weight gradients of its experts from the panels it wrote). With `panels` and
+    `panel_dx` (a `PanelDxConfig`), the dx kernel leaves dx out and `_panel_dx_kernel`
+    computes it from the panels."""
+    split = panels is not None and panel_dx is not None
     S, H, D = x_heads.shape
     F, _, I = w_gate.shape
     R = gather_ids.numel()
@@ -553,6 +661,17 @@ def _backward_dx(grad_y, x_heads, gather_ids, sorted_probs, offsets, w_gate, w_u
     tma_ok = tma_fits(D, I, w_down.element_size())
     for h0, g, _routes, out in groups:
         ran = {}
+        if split and tiles.warp_specialized:
+            from . import expert_panels_sm90 as ws  # Gluon: imported where it may run
+
+            max_tiles = _panel_rows(S, H, R, E, g, 128, groups.uniform_k) // 128
+            tile_expert, tile_first, total = tile_map(offsets, h0 * E, g * E, 128, max_tiles,
+                                                      with_total=True)
+            views = panels.views(max_tiles * 128)
+            ws.launch_panels(x_heads, grad_y, gather_ids, sorted_probs, offsets, w_gate, w_up,
+                             w_down, dprobs, views, tile_expert, tile_first, total, E=E,
+                             first_expert=h0 * E)
+            ran.update(views=views, tile_expert=tile_expert, tile_first=tile_first)
 
         def launch(t, h0=h0, g=g, out=out, ran=ran):  # bound now: runs in this pass
             use_tma = t.tma and tma_ok
@@ -578,11 +697,19 @@ def _backward_dx(grad_y, x_heads, gather_ids, sorted_probs, offsets, w_gate, w_u
                 D=D, I=I, BLOCK_M=t.block_m, BLOCK_I=t.block_i, BLOCK_D=block_d,
                 EVEN_D=D == block_d, EVEN_I=I % t.block_i == 0, DETERMINISTIC=deterministic,
                 UPCAST=interpret, DOT_FP32=dot_fp32, PRECISION=precision, USE_TMA=use_tma,
-                PANELS=panels is not None, num_warps=t.num_warps, num_stages=t.num_stages,
+                PANELS=panels is not None, DX=not split, num_warps=t.num_warps,
+                num_stages=t.num_stages,
             )
-            ran.update(views=views, tile_first=tile_first)
+            ran.update(views=views, tile_expert=tile_expert, tile_first=tile_first)
 
-        tiles = launch_with_step_down(launch, tiles)
+        if not ran:
+            tiles = launch_with_step_down(launch, tiles)
+        if split:
+            panel_dx = _panel_dx(ran["views"], ran["tile_expert"], ran["tile_first"],
+                                 gather_ids, offsets, w_gate, w_up, out, groups.slots, panel_dx,
+                                 E=E, h0=h0, g=g, slot_base=h0 * S * groups.K,
+                                 block_m=tiles.block_m, deterministic=deterministic,
+                                 dot_fp32=dot_fp32, precision=precision, interpret=interpret)
         if panels is not None:
             panels.weight_gradients(ran["views"], ran["tile_first"], h0 * E, g * E,
                                     tiles.block_m, offsets, grads, dot_fp32, precision,
@@ -634,6 +761,7 @@ def triton_expert_backward(
     interpret = interpreting()
     dot_fp32 = (not (x_heads.dtype == grad_y.dtype == w_down.dtype)
                 or w_down.dtype == torch.float32)
+    forced = config is not None
     if config is None:
         config = tuning.expert_backward_config(device, R / F, interpret, fp32_operands=dot_fp32)
     # One [S, H, D] layout for both: the kernels share their gather offsets.
@@ -642,18 +770,53 @@ def triton_expert_backward(
     gather_ids, sorted_probs, offsets = (
         gather_ids.contiguous(), sorted_probs.contiguous(), offsets.contiguous())
     precision = "ieee" if dot_fp32 else "tf32"  # tf32 is ignored by 16-bit dots
-    panels = _Panels.plan(config, x_heads, R, F, I, dot_fp32, w_down.dtype)
+    if config.dx.warp_specialized:
+        from . import expert_panels_sm90 as ws  # Gluon: imported where it may run
+
+        if not ws.panels_fit(x_heads, grad_y, w_gate, w_up, w_down):
+            if forced:
+                raise ValueError(
+                    "config.dx.warp_specialized needs an sm_90 GPU, bf16 x, grad_y and "
+                    f"weights, D = 256 and I a multiple of 64; got {x_heads.device}, "
+                    f"{x_heads.dtype}/{grad_y.dtype}/{w_down.dtype}, D={D}, I={I}")
+            config = dataclasses.replace(
+                config, dx=dataclasses.replace(config.dx, warp_specialized=False))
+    split_forced = forced and config.panel_dx is not None
+    panels = _Panels.plan(config, x_heads, R, F, I, dot_fp32, w_down.dtype,
+                          warn=not split_forced)
+    if panels is None and split_forced:
+        raise ValueError(
+            "config.panel_dx: dx from the panels needs one head's panels within "
+            f"tuning.PANEL_WORKSPACE_BYTES ({tuning.PANEL_WORKSPACE_BYTES} bytes); at this "
+            "size the default config recomputes instead")
     if panels is None:
         _backward_dw(grad_y, x_heads, gather_ids, sorted_probs, offsets, w_gate, w_up, w_down,
                      d_gate, d_up, d_down, config.dw, dot_fp32, precision, interpret)
     _backward_dx(grad_y, x_heads, gather_ids, sorted_probs, offsets, w_gate, w_up, w_down,
                  dx, dprobs, config.dx, deterministic, dot_fp32, precision, interpret,
-                 panels, (d_gate, d_up, d_down))
+                 panels, (d_gate, d_up, d_down), config.panel_dx)
     return dx, dprobs.to(sorted_probs.dtype), d_gate, d_up, d_down
 
 
+def dx_signature(D: int, block_i: int) -> dict:
+    """`_expert_dx_kernel`'s argument types as the launcher passes them on sm_90 (bf16, TMA
+    weight slices of block_i), for compiling it without a GPU."""
+    return {"x_ptr": "*bf16", "dy_ptr": "*bf16", "H": "i32", "gather_ids_ptr": "*i32",
+            "probs_ptr": "*fp32", "offsets_ptr": "*i64", "tile_expert_ptr": "*i32",
+            "tile_first_ptr": "*i32",
+            "wg_ptr": f"tensordesc<bf16[1, {D}, {block_i}]>",
+            "wu_ptr": f"tensordesc<bf16[1, {D}, {block_i}]>",
+            "wd_ptr": f"tensordesc<bf16[1, {block_i}, {D}]>",
+            "dx_ptr": "*fp32", "slot_ptr": "*i32", "dprobs_ptr": "*fp32",
+            "xp_ptr": "*bf16", "dyp_ptr": "*bf16", "dgp_ptr": "*bf16",
+            "dup_ptr": "*bf16", "app_ptr": "*bf16", "E": "i32", "first_expert": "i32",
+            "num_experts": "i32", "first_head": "i32", "group_heads": "i32",
+            "slot_base": "i32"}
+
+
 def sm90_compile_cases() -> list:
-    """The dx (with and without panels), dW and panel kernels at the sm_90 default tiles
+    """The dx (with and without panels), dW and panel kernels at the sm_90 default tiles,
+    and the split backward's two Triton kernels at `tuning.SM90_SPLIT`
     (`mhmoe.kernels.CompileCase`; MAGI-2's dims)."""
     from ..config import MAGI2_PREVIEW as M
     from . import CompileCase
@@ -668,18 +831,7 @@ def sm90_compile_cases() -> list:
             cases.append(CompileCase(
                 f"expert dx {x.block_m}/{x.block_i}/{x.num_warps}/{x.num_stages}"
                 f"{' panels' if panels else ''}",
-                _expert_dx_kernel,
-                {"x_ptr": "*bf16", "dy_ptr": "*bf16", "H": "i32", "gather_ids_ptr": "*i32",
-                 "probs_ptr": "*fp32", "offsets_ptr": "*i64", "tile_expert_ptr": "*i32",
-                 "tile_first_ptr": "*i32",
-                 "wg_ptr": f"tensordesc<bf16[1, {D}, {x.block_i}]>",
-                 "wu_ptr": f"tensordesc<bf16[1, {D}, {x.block_i}]>",
-                 "wd_ptr": f"tensordesc<bf16[1, {x.block_i}, {D}]>",
-                 "dx_ptr": "*fp32", "slot_ptr": "*i32", "dprobs_ptr": "*fp32",
-                 "xp_ptr": "*bf16", "dyp_ptr": "*bf16", "dgp_ptr": "*bf16",
-                 "dup_ptr": "*bf16", "app_ptr": "*bf16", "E": "i32", "first_expert": "i32",
-                 "num_experts": "i32", "first_head": "i32", "group_heads": "i32",
-                 "slot_base": "i32"},
+                _expert_dx_kernel, dx_signature(D, x.block_i),
                 dict(D=D, I=I, BLOCK_M=x.block_m, BLOCK_I=x.block_i, BLOCK_D=D, EVEN_D=True,
                      EVEN_I=I % x.block_i == 0, DETERMINISTIC=False, UPCAST=False,
                      DOT_FP32=False, PRECISION="tf32", USE_TMA=tma, PANELS=panels),
@@ -708,4 +860,31 @@ def sm90_compile_cases() -> list:
                      BLOCK_N=p.block_n, BLOCK_K=p.block_k, UPCAST=False, DOT_FP32=False,
                      PRECISION="tf32", USE_TMA=p.tma),
                 p.num_warps, p.num_stages))
+    # dx from the panels (tuning.SM90_SPLIT): the dx kernel without its products, and
+    # the panel dx GEMM.
+    x, pdx = tuning.SM90_SPLIT.dx, tuning.SM90_SPLIT.panel_dx
+    cases.append(CompileCase(
+        f"expert dx {x.block_m}/{x.block_i}/{x.num_warps}/{x.num_stages} panels, no dx",
+        _expert_dx_kernel, dx_signature(D, x.block_i),
+        dict(D=D, I=I, BLOCK_M=x.block_m, BLOCK_I=x.block_i, BLOCK_D=D, EVEN_D=True,
+             EVEN_I=I % x.block_i == 0, DETERMINISTIC=False, UPCAST=False, DOT_FP32=False,
+             PRECISION="tf32", USE_TMA=tma, PANELS=True, DX=False),
+        x.num_warps, x.num_stages, ("H",)))
+    for det in (False, True):
+        cases.append(CompileCase(
+            f"panel dx {x.block_m}/{pdx.block_i}/{pdx.num_warps}/{pdx.num_stages}"
+            f"{' deterministic' if det else ''}",
+            _panel_dx_kernel,
+            {"dgp_ptr": f"tensordesc<bf16[{x.block_m}, {pdx.block_i}]>",
+             "dup_ptr": f"tensordesc<bf16[{x.block_m}, {pdx.block_i}]>",
+             "wg_ptr": f"tensordesc<bf16[1, {D}, {pdx.block_i}]>",
+             "wu_ptr": f"tensordesc<bf16[1, {D}, {pdx.block_i}]>",
+             "gather_ids_ptr": "*i32", "offsets_ptr": "*i64", "tile_expert_ptr": "*i32",
+             "tile_first_ptr": "*i32", "dx_ptr": "*fp32", "slot_ptr": "*i32", "E": "i32",
+             "first_expert": "i32", "num_experts": "i32", "first_head": "i32",
+             "group_heads": "i32", "slot_base": "i32"},
+            dict(D=D, I=I, BLOCK_M=x.block_m, BLOCK_I=pdx.block_i, BLOCK_D=D,
+                 DETERMINISTIC=det, UPCAST=False, DOT_FP32=False, PRECISION="tf32",
+                 USE_TMA=pdx.tma),
+            pdx.num_warps, pdx.num_stages))
     return cases

@@ -380,6 +380,32 @@ FP8_FORWARD_SM90_GLUON = Fp8ForwardSm90Config(block_m=128, block_i=64, num_warps
                                               load_regs=24)
 
 
+@dataclass(frozen=True)
+class PanelsSm90Config(ExpertForwardSm90Config):
+    """Tiles of the backward's Gluon panel kernel (`kernels/expert_panels_sm90.py`): the
+    forward's ring stages and register fields (see `ExpertForwardSm90Config`), beside x
+    and dy tiles (128 KB): mma_regs covers the [64, 128] gate|up accumulator (64
+    registers) and the [64, 64] t (32) with the SwiGLU7 backward's temporaries."""
+
+    def shared_bytes(self) -> int:
+        """Shared memory of the x and dy tiles and the ring (D = 256); the inherited check
+        says "the x tile" of both."""
+        return 2 * self.block_m * 256 * 2 + self.num_stages * self.block_i * 2 * self.block_i * 2
+
+
+# Six 16 KB stages, one block's, fill what the x and dy tiles leave of the 227 KB (the
+# reuse distance this leaves the loader: docs/expert-backward.md, "dx from the panels").
+# Compiled, not yet run: no table row picks it (ExpertBackwardConfig.dx's
+# warp_specialized asks for it).
+PANELS_SM90_GLUON = PanelsSm90Config(block_m=128, block_i=64, num_warps=4, num_stages=6,
+                                     maxnreg=168, mma_regs=232, load_regs=40)
+
+
+def panels_sm90_config() -> PanelsSm90Config:
+    """The Gluon panel kernel's tiles (sm_90 only: one row)."""
+    return PANELS_SM90_GLUON
+
+
 def fp8_forward_sm90_config() -> Fp8ForwardSm90Config:
     """The fp8 Gluon kernel's tiles (it runs on sm_90 only, so there is one row)."""
     return FP8_FORWARD_SM90_GLUON
@@ -708,6 +734,33 @@ def step_down_panel(cfg: PanelGemmConfig) -> PanelGemmConfig | None:
 
 
 @dataclass(frozen=True)
+class PanelDxConfig:
+    """Tiles of dx from the panels (`_panel_dx_kernel`): dx rows = dg Wg^T + du Wu^T over
+    a tile of the dx kernel's panel rows (its block_m), the [block_m, D] fp32 accumulator
+    in registers, the reduction over I in steps of block_i (two dots a step, gate then
+    up). num_warps, num_stages: warps a program, pipelining depth of the loads. tma: the
+    weight slices through tensor descriptors where the shapes allow."""
+
+    block_i: int
+    num_warps: int
+    num_stages: int
+    tma: bool = True
+
+    def __post_init__(self) -> None:
+        check_tiles(self, ("block_i",))
+
+
+def step_down_panel_dx(cfg: PanelDxConfig) -> PanelDxConfig | None:
+    """The next `PanelDxConfig` to try after `cfg` ran out of resources; None when none is
+    left."""
+    if cfg.num_stages > 1:
+        return dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
+    if cfg.block_i > 16:
+        return dataclasses.replace(cfg, block_i=cfg.block_i // 2)
+    return None
+
+
+@dataclass(frozen=True)
 class ExpertBackwardConfig:
     """Tiles of the two backward kernels.
 
@@ -721,11 +774,31 @@ class ExpertBackwardConfig:
         needed); block_m is the row block of its loop over the expert's
         routes; tma is unused (the weight slices are loaded once).
     panel: the panel GEMMs' tiles, or None for the recomputing dW kernel.
+    panel_dx: with panels, dx from the panels in a GEMM of its own (`_panel_dx_kernel`'s
+        tiles): the dx kernel then computes g, u and t, writes dprobs and the panels and
+        leaves out dx's two products and its [block_m, D] accumulator. None: the dx
+        kernel computes dx itself. dx.warp_specialized (with panel_dx): the Gluon
+        panel kernel of `kernels/expert_panels_sm90.py` writes the panels and dprobs
+        where the shapes fit it (sm_90, bf16, D = 256, I a multiple of 64).
     """
 
     dx: ExpertForwardConfig
     dw: ExpertForwardConfig
     panel: PanelGemmConfig | None = None
+    panel_dx: PanelDxConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.panel_dx is not None and self.panel is None:
+            raise ValueError("ExpertBackwardConfig.panel_dx needs panels (panel is None)")
+        if self.dx.warp_specialized and self.panel_dx is None:
+            raise ValueError("ExpertBackwardConfig.dx.warp_specialized: the Gluon panel "
+                             "kernel leaves dx to panel_dx, which is None")
+        if self.dx.cluster != 1:
+            raise ValueError("ExpertBackwardConfig.dx.cluster: the backward has no cluster "
+                             f"variant, got {self.dx.cluster}")
+        if self.dx.warp_specialized and self.dx.block_m != 128:
+            raise ValueError("ExpertBackwardConfig.dx.warp_specialized: the Gluon panel "
+                             f"kernel's tiles are 128 rows (the panels'), got {self.dx.block_m}")
 
 
 # Mean rows per expert (R / number of flat experts) -> tiles; the first row
@@ -742,6 +815,17 @@ BACKWARD_SM90 = (
                                         dw=ExpertForwardConfig(128, 32, 8, 1),
                                         panel=SM90_PANEL)),
 )
+# dx from the panels (ExpertBackwardConfig.panel_dx), with the Triton dx kernel leaving
+# its products out, or with the Gluon panel kernel (SM90_SPLIT_WS). Compiled, not yet
+# run on a GPU, so no table row picks them: benchmarks/bench_expert_backward.py times them
+# beside the default (docs/expert-backward.md, "dx from the panels"). 64/8/2: 196 KB of
+# shared memory and 230 registers, no spills (compile-only).
+SM90_PANEL_DX = PanelDxConfig(64, 8, 2)
+SM90_SPLIT = ExpertBackwardConfig(dx=ExpertForwardConfig(128, 16, 8, 3),
+                                  dw=ExpertForwardConfig(128, 32, 8, 1), panel=SM90_PANEL,
+                                  panel_dx=SM90_PANEL_DX)
+SM90_SPLIT_WS = dataclasses.replace(
+    SM90_SPLIT, dx=dataclasses.replace(SM90_SPLIT.dx, warp_specialized=True))
 # float32 operands (fp32 weights, or mixed dtypes): twice the shared memory per
 # tile, so the bf16 rows above would not fit (dx 336 KB, dw 248 KB against 227 KB);
 # starting from tiles that fit saves the launch-time step-downs, each of which
