@@ -193,14 +193,16 @@ def test_small_tiles(rng, split):
 
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_split_dx_is_the_dx_kernels(rng, deterministic, dtype):
-    # dx from the panels sums the same products as the dx kernel, in the same order at
-    # the same step of I: the interpreter's dots give the same bits; every other output
-    # comes from the same kernels either way.
+def test_split_differs_from_the_fused_kernel_only_in_dx_order(rng, deterministic, dtype):
+    # dx from the panels adds the dx kernel's products (the same rounded dg, du) in
+    # another order (every gate step, then every up step): dx agrees to fp32 rounding
+    # before its cast to x's dtype; every other output comes from the same kernels either
+    # way, bitwise.
     problem = make_problem(rng, 11, 2, 3, 2, 32, 64, dtype=dtype)
     fused = run(*problem, config=BIG, deterministic=deterministic)
     split = run(*problem, config=SPLIT, deterministic=deterministic)
-    for name, a, b in zip(NAMES, fused, split, strict=True):
+    assert rel_err(split[0], fused[0]) <= (1e-6 if dtype == torch.float32 else 2.0**-8)
+    for name, a, b in zip(NAMES[1:], fused[1:], split[1:], strict=True):
         assert torch.equal(a, b), name
 
 

@@ -21,6 +21,10 @@ limit, the dW kernel recomputes g, u and t instead (11 GEMMs).
   are combined per (token, head) as the forward combines y: fp32 atomics by
   default, ordered slots plus an ordered sum in deterministic mode. With
   PANELS it stores x, dy, dg, du and a * p of its rows.
+- `_panel_dx_kernel` (with `ExpertBackwardConfig.panel_dx`): dx from the panels, dg
+  Wg^T + du Wu^T over each tile's panel rows, combined as the dx kernel combines; the
+  dx kernel then leaves its dx products out (DX=False), or on sm_90 the Gluon panel
+  kernel of `expert_panels_sm90.py` writes the panels and dprobs in its place.
 - `_panel_dw_kernel`: dWg = x^T dg, dWu = x^T du, dWd = (a p)^T dy, one
   program per (expert, output tile), the expert's panel rows summed in
   ascending order; one owner per element, written once in the weight dtype.
@@ -233,6 +237,32 @@ def _expert_dx_kernel(
 
 
 @triton.jit
+def _panel_dx_steps(a_ptr, w_ptr, acc, pid, f, prow, d_ok, D: tl.constexpr, I: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr,
+                    UPCAST: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+                    USE_TMA: tl.constexpr):
+    """acc += A W^T over I in steps of BLOCK_I: A a panel [P, I] (its tile's rows), W the
+    expert's [D, I] weight (dg with W_gate, du with W_up)."""
+    i = tl.arange(0, BLOCK_I)
+    d = tl.arange(0, BLOCK_D)
+    for i0 in range(0, I, BLOCK_I):
+        if USE_TMA:
+            # The descriptors' bounds zero-fill columns past I.
+            a = a_ptr.load([pid * BLOCK_M, i0])
+            w = w_ptr.load([f.to(tl.int32), 0, i0]).reshape(BLOCK_D, BLOCK_I)
+        else:
+            i_ok = (i0 + i < I)[None, :]
+            a = tl.load(a_ptr + prow[:, None] * I + (i0 + i)[None, :], mask=i_ok, other=0.0)
+            w = tl.load(w_ptr + f * D * I + d[:, None] * I + (i0 + i)[None, :],
+                        mask=d_ok[:, None] & i_ok, other=0.0)
+        if UPCAST or DOT_FP32:
+            a = a.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
 def _panel_dx_kernel(
     dgp_ptr, dup_ptr,  # panels dg, du [P, I]: pointers, or descriptors of [BLOCK_M, BLOCK_I] blocks
     wg_ptr, wu_ptr,  # [H*E, D, I]: pointers, or descriptors of [1, BLOCK_D, BLOCK_I] blocks
@@ -252,7 +282,8 @@ def _panel_dx_kernel(
     products over I in steps of BLOCK_I, gate then up, in fp32, and combines the rows
     per (token, head) as `_expert_dx_kernel` does. Programs past the last tile return.
     The panels hold dg and du as the dx kernel's dots would take them (rounded to the
-    dots' dtype), so the sums are those of its dx products.
+    dots' dtype): the products are those of its dx, added in another order (every gate
+    step, then every up step).
     """
     pid = tl.program_id(0)
     e = tl.load(tile_expert_ptr + pid)
@@ -263,31 +294,13 @@ def _panel_dx_kernel(
     prow = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
-    i = tl.arange(0, BLOCK_I)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for i0 in range(0, I, BLOCK_I):
-        if USE_TMA:
-            # The descriptors' bounds zero-fill columns past I.
-            dg = dgp_ptr.load([pid * BLOCK_M, i0])
-            du = dup_ptr.load([pid * BLOCK_M, i0])
-            wg = wg_ptr.load([f.to(tl.int32), 0, i0]).reshape(BLOCK_D, BLOCK_I)
-            wu = wu_ptr.load([f.to(tl.int32), 0, i0]).reshape(BLOCK_D, BLOCK_I)
-        else:
-            i_ok = (i0 + i < I)[None, :]
-            panel = prow[:, None] * I + (i0 + i)[None, :]
-            dg = tl.load(dgp_ptr + panel, mask=i_ok, other=0.0)
-            du = tl.load(dup_ptr + panel, mask=i_ok, other=0.0)
-            w_offs = f * D * I + d[:, None] * I + (i0 + i)[None, :]
-            w_ok = d_ok[:, None] & i_ok
-            wg = tl.load(wg_ptr + w_offs, mask=w_ok, other=0.0)
-            wu = tl.load(wu_ptr + w_offs, mask=w_ok, other=0.0)
-        if UPCAST or DOT_FP32:
-            dg = dg.to(tl.float32)
-            du = du.to(tl.float32)
-            wg = wg.to(tl.float32)
-            wu = wu.to(tl.float32)
-        acc = tl.dot(dg, tl.trans(wg), acc, input_precision=PRECISION)
-        acc = tl.dot(du, tl.trans(wu), acc, input_precision=PRECISION)
+    # One product a step, gate then up, so that Triton keeps a wgmma in flight across the
+    # steps (with two chained products a step it waits for each).
+    acc = _panel_dx_steps(dgp_ptr, wg_ptr, acc, pid, f, prow, d_ok, D, I, BLOCK_M, BLOCK_I,
+                          BLOCK_D, UPCAST, DOT_FP32, PRECISION, USE_TMA)
+    acc = _panel_dx_steps(dup_ptr, wu_ptr, acc, pid, f, prow, d_ok, D, I, BLOCK_M, BLOCK_I,
+                          BLOCK_D, UPCAST, DOT_FP32, PRECISION, USE_TMA)
     combine_rows(dx_ptr, slot_ptr, acc, row_ok[:, None] & d_ok[None, :], rows, row_ok, tokens,
                  head, d, slot_base, group_heads, first_head, D, DETERMINISTIC)
 

@@ -818,9 +818,10 @@ BACKWARD_SM90 = (
 # dx from the panels (ExpertBackwardConfig.panel_dx), with the Triton dx kernel leaving
 # its products out, or with the Gluon panel kernel (SM90_SPLIT_WS). Compiled, not yet
 # run on a GPU, so no table row picks them: benchmarks/bench_expert_backward.py times them
-# beside the default (docs/expert-backward.md, "dx from the panels"). 64/8/2: 196 KB of
-# shared memory and 230 registers, no spills (compile-only).
-SM90_PANEL_DX = PanelDxConfig(64, 8, 2)
+# beside the default (docs/expert-backward.md, "dx from the panels"). 64/8/4: 196 KB of
+# shared memory and 231 registers, no spills, a wgmma in flight across steps
+# (compile-only).
+SM90_PANEL_DX = PanelDxConfig(64, 8, 4)
 SM90_SPLIT = ExpertBackwardConfig(dx=ExpertForwardConfig(128, 16, 8, 3),
                                   dw=ExpertForwardConfig(128, 32, 8, 1), panel=SM90_PANEL,
                                   panel_dx=SM90_PANEL_DX)
