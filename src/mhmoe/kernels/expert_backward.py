@@ -848,7 +848,7 @@ def sm90_compile_cases() -> list:
                 dict(D=D, I=I, BLOCK_M=x.block_m, BLOCK_I=x.block_i, BLOCK_D=D, EVEN_D=True,
                      EVEN_I=I % x.block_i == 0, DETERMINISTIC=False, UPCAST=False,
                      DOT_FP32=False, PRECISION="tf32", USE_TMA=tma, PANELS=panels),
-                x.num_warps, x.num_stages, ("H",)))
+                x.num_warps, x.num_stages))
         w = b.dw
         cases.append(CompileCase(
             f"expert dW {w.block_m}/{w.block_i}/{w.num_warps}/{w.num_stages}",
@@ -859,7 +859,7 @@ def sm90_compile_cases() -> list:
              "dwd_ptr": "*bf16", "E": "i32"},
             dict(D=D, I=I, BLOCK_M=w.block_m, BLOCK_I=w.block_i, BLOCK_D=D, UPCAST=False,
                  DOT_FP32=False, PRECISION="tf32"),
-            w.num_warps, w.num_stages, ("H",)))
+            w.num_warps, w.num_stages))
         p = b.panel
         for m_dim, n_dim in ((D, I), (I, D)):
             cases.append(CompileCase(
@@ -882,7 +882,7 @@ def sm90_compile_cases() -> list:
         dict(D=D, I=I, BLOCK_M=x.block_m, BLOCK_I=x.block_i, BLOCK_D=D, EVEN_D=True,
              EVEN_I=I % x.block_i == 0, DETERMINISTIC=False, UPCAST=False, DOT_FP32=False,
              PRECISION="tf32", USE_TMA=tma, PANELS=True, DX=False),
-        x.num_warps, x.num_stages, ("H",)))
+        x.num_warps, x.num_stages))
     for det in (False, True):
         cases.append(CompileCase(
             f"panel dx {x.block_m}/{pdx.block_i}/{pdx.num_warps}/{pdx.num_stages}"

@@ -347,5 +347,5 @@ def sm90_compile_cases() -> list:
            "dgp_ptr": "*bf16", "dup_ptr": "*bf16", "app_ptr": "*bf16", "E": "i32",
            "first_expert": "i32"}
     return [CompileCase("expert panels ws (Gluon)", _expert_panels_sm90_kernel, sig,
-                        kernel_options(config, D, I), config.num_warps, 1, ("H",),
+                        kernel_options(config, D, I), config.num_warps, 1, (),
                         config.maxnreg)]
