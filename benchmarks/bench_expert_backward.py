@@ -201,10 +201,10 @@ def sweep(st: Setup, S: int, gen, weights, specs: str) -> list[tuple[str, float,
     ref = call(config=default)
     variants, diffs = [("sweep:default", functools.partial(call, config=default))], {}
     for spec in filter(None, specs.split(";")):
-        cfg = parse_config(spec, default)
         try:
+            cfg = parse_config(spec, default)
             grads = call(config=cfg)
-        except Exception as exc:  # a config that fails to compile is reported, not a crash
+        except Exception as exc:  # a config refused or failing to compile is reported
             print(f"sweep S={S} {spec}: {exc!r}"[:300], flush=True)
             continue
         diffs[spec] = max(rel_err(g, r) for g, r in zip(grads, ref, strict=True))
