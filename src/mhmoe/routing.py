@@ -202,8 +202,9 @@ def route_tokens(
     _check_bias("route_tokens", expert_bias, H, E, x_heads.device)
     if fused not in (None, True, False):
         raise ValueError(f"route_tokens: fused must be None, True or False, got {fused!r}")
+    path = resolve_backend(backend, x_heads.device, op="route_tokens")
     if fused is not False:
-        reason = _fused_unsupported(backend, x_heads, gate)
+        reason = _fused_unsupported(path, backend, x_heads, gate)
         if reason is None:
             save_logits = torch.is_grad_enabled() and (x_heads.requires_grad or
                                                        gate.requires_grad)
@@ -214,8 +215,7 @@ def route_tokens(
         if fused:
             raise ValueError(f"route_tokens: fused=True, but the fused kernel cannot run here: "
                              f"{reason}")
-    triton = resolve_backend(backend, x_heads.device, op="route_tokens") == "triton"
-    logits = RouterLogits.apply(x_heads, gate, bool(deterministic), triton)
+    logits = RouterLogits.apply(x_heads, gate, bool(deterministic), path == "triton")
     return _route_logits(logits, options, expert_bias, backend, block_counts)
 
 
@@ -248,9 +248,10 @@ def _check_bias(op: str, expert_bias: torch.Tensor | None, H: int, E: int,
                          f"{device}")
 
 
-def _fused_unsupported(backend: str, x_heads: torch.Tensor, gate: torch.Tensor) -> str | None:
-    """Why `route_tokens` cannot take the fused kernel, or None if it can."""
-    path = resolve_backend(backend, x_heads.device, op="route_tokens")
+def _fused_unsupported(path: str, backend: str, x_heads: torch.Tensor,
+                       gate: torch.Tensor) -> str | None:
+    """Why `route_tokens` cannot take the fused kernel, or None if it can (path: `backend`
+    resolved for x's device)."""
     if path != "triton":
         return f"backend {backend!r} takes the PyTorch path on {x_heads.device}"
     from .kernels.router_logits import fused_unsupported
