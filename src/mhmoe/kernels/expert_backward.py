@@ -674,17 +674,12 @@ def _backward_dx(grad_y, x_heads, gather_ids, sorted_probs, offsets, w_gate, w_u
     tma_ok = tma_fits(D, I, w_down.element_size())
     for h0, g, _routes, out in groups:
         ran = {}
-        if split and tiles.warp_specialized:
-            from . import expert_panels_sm90 as ws  # Gluon: imported where it may run
 
-            max_tiles = _panel_rows(S, H, R, E, g, 128, groups.uniform_k) // 128
-            tile_expert, tile_first, total = tile_map(offsets, h0 * E, g * E, 128, max_tiles,
-                                                      with_total=True)
-            views = panels.views(max_tiles * 128)
-            ws.launch_panels(x_heads, grad_y, gather_ids, sorted_probs, offsets, w_gate, w_up,
-                             w_down, dprobs, views, tile_expert, tile_first, total, E=E,
-                             first_expert=h0 * E)
-            ran.update(views=views, tile_expert=tile_expert, tile_first=tile_first)
+        def tile_plan(block_m, with_total=False, g=g, h0=h0):
+            """(tiles of the launch's grid bound, its tile map; `expert_forward.tile_map`)."""
+            max_tiles = _panel_rows(S, H, R, E, g, block_m, groups.uniform_k) // block_m
+            return max_tiles, tile_map(offsets, h0 * E, g * E, block_m, max_tiles,
+                                       with_total=with_total)
 
         def launch(t, h0=h0, g=g, out=out, ran=ran):  # bound now: runs in this pass
             use_tma = t.tma and tma_ok
@@ -694,8 +689,7 @@ def _backward_dx(grad_y, x_heads, gather_ids, sorted_probs, offsets, w_gate, w_u
                            TensorDescriptor.from_tensor(w_down, [1, t.block_i, block_d]))
             else:
                 weights = (w_gate, w_up, w_down)
-            max_tiles = _panel_rows(S, H, R, E, g, t.block_m, groups.uniform_k) // t.block_m
-            tile_expert, tile_first = tile_map(offsets, h0 * E, g * E, t.block_m, max_tiles)
+            max_tiles, (tile_expert, tile_first) = tile_plan(t.block_m)
             views = panels.views(max_tiles * t.block_m) if panels is not None else (dx,) * 5
             _expert_dx_kernel[(max_tiles,)](
                 x_ptr=x_heads, dy_ptr=grad_y, H=H,
@@ -715,7 +709,18 @@ def _backward_dx(grad_y, x_heads, gather_ids, sorted_probs, offsets, w_gate, w_u
             )
             ran.update(views=views, tile_expert=tile_expert, tile_first=tile_first)
 
-        if not ran:
+        if split and tiles.warp_specialized:
+            # The Gluon panel kernel (its tiles are 128 rows, as tiles.block_m: the
+            # config's check); persistent, so it takes the tile count.
+            from . import expert_panels_sm90 as ws  # Gluon: imported where it may run
+
+            max_tiles, (tile_expert, tile_first, total) = tile_plan(tiles.block_m, True)
+            views = panels.views(max_tiles * tiles.block_m)
+            ws.launch_panels(x_heads, grad_y, gather_ids, sorted_probs, offsets, w_gate, w_up,
+                             w_down, dprobs, views, tile_expert, tile_first, total, E=E,
+                             first_expert=h0 * E)
+            ran.update(views=views, tile_expert=tile_expert, tile_first=tile_first)
+        else:
             tiles = launch_with_step_down(launch, tiles)
         if split:
             panel_dx = _panel_dx(ran["views"], ran["tile_expert"], ran["tile_first"],

@@ -72,11 +72,10 @@ from .tuning import PanelsSm90Config, panels_sm90_config
 @gluon.jit
 def _xdy_loader(x_ptr, dy_ptr, H, gather_ids_ptr, xs, dys, x_ready, x_empty, xp_desc, dyp_desc,
                 tile_expert_ptr, tile_first_ptr, offsets_ptr, ntiles_ptr, first_expert, E,
-                D: gl.constexpr, CHUNK: gl.constexpr = 8):
-    """x and dy rows of each tile into the warpgroups' halves (cp.async, CHUNK rows at a
+                D: gl.constexpr, CH: gl.constexpr = 8):
+    """x and dy rows of each tile into the warpgroups' halves (cp.async, CH rows at a
     time, rows past the expert's end zero-filled), then both halves to the panels' rows
     of the tile by TMA."""
-    CH: gl.constexpr = CHUNK
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0])
     r = gl.arange(0, CH, layout=gl.SliceLayout(1, layout))
     d = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
