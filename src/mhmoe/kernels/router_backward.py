@@ -5,10 +5,10 @@
 
 grad is d logits [H, S, E] fp32, gate the fp32 router weight [H, E, D], x_heads the bf16
 x [S, H, D]. In PyTorch both are fp32 GEMMs, which on an H200 run on the SIMT units
-(docs/expert-backward.md: 2.9 ms of a 54 ms step at S=32,768). Here they are bf16
-tensor-core dots whose operands are exact pieces of the fp32 values (`split_bf16x3`,
-each fp32 value the exact sum of three bf16 values), so every product of pieces is exact
-in the fp32 accumulator:
+(their cost against these kernels: docs/routing.md, "The router's backward on tensor
+cores"). Here they are bf16 tensor-core dots whose operands are exact pieces of the fp32
+values (`split_bf16x3`, each fp32 value the exact sum of three bf16 values), so every
+product of pieces is exact in the fp32 accumulator:
 
 - d gate = grad^T x: x is exact in bf16, so the three pieces of grad give every product
   grad * x exactly (three dots): the fp32 GEMM's products, summed in fp32.

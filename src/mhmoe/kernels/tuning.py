@@ -11,14 +11,16 @@ on the device). Tests and benchmarks can pass their own configs instead.
     expert_backward_config()   ExpertBackwardConfig  kernels/expert_backward.py
     fp8_forward_config()       Fp8ForwardConfig      kernels/expert_forward_fp8.py
     fp8_forward_sm90_config()  Fp8ForwardSm90Config  kernels/expert_forward_fp8_sm90.py
+    panels_sm90_config()       PanelsSm90Config      kernels/expert_panels_sm90.py
     logits_route_config()      LogitsRouteConfig     kernels/router_logits.py
     router_backward_config()   RouterBackwardConfig  kernels/router_backward.py
     route_tiles(), shortlist_route_tiles()  RouteTiles, ShortlistRouteTiles  kernels/topk.py
     layout_block_t(), layout_chunk(), ..., LAYOUT_SCAN_TILES           kernels/layout.py
 
-`step_down()` / `step_down_panel()` give the next smaller config when one does not
-fit the chip. The reasons behind each table row, and the measurements that chose
-it, are in docs/expert-forward.md, docs/expert-backward.md and docs/routing.md.
+`step_down()` / `step_down_panel()` / `step_down_panel_dx()` give the next smaller
+config when one does not fit the chip. The reasons behind each table row, and the
+measurements that chose it, are in docs/expert-forward.md, docs/expert-backward.md and
+docs/routing.md.
 """
 
 from __future__ import annotations
@@ -373,8 +375,8 @@ class Fp8ForwardSm90Config(ExpertForwardSm90Config):
 
 
 # Seven stages (2.3 slices of I ahead) fill what the x tiles leave of the 227 KB; the
-# register budget is the bf16 kernel's. Not in FP8_FORWARD_SM90 yet: the kernel has been
-# compiled, not run (docs/fp8.md, "The warp-specialised fp8 kernel").
+# register budget is the bf16 kernel's. Not in FP8_FORWARD_SM90 yet: the kernel is
+# correct on the H200 but not yet timed (docs/fp8.md, "The warp-specialised fp8 kernel").
 FP8_FORWARD_SM90_GLUON = Fp8ForwardSm90Config(block_m=128, block_i=64, num_warps=4,
                                               num_stages=7, maxnreg=168, mma_regs=240,
                                               load_regs=24)
@@ -388,15 +390,14 @@ class PanelsSm90Config(ExpertForwardSm90Config):
     registers) and the [64, 64] t (32) with the SwiGLU7 backward's temporaries."""
 
     def shared_bytes(self) -> int:
-        """Shared memory of the x and dy tiles and the ring (D = 256); the inherited check
+        """The forward's x tile and ring, and the dy tile (D = 256); the inherited check
         says "the x tile" of both."""
-        return 2 * self.block_m * 256 * 2 + self.num_stages * self.block_i * 2 * self.block_i * 2
+        return super().shared_bytes() + self.block_m * 256 * 2
 
 
 # Six 16 KB stages, one block's, fill what the x and dy tiles leave of the 227 KB (the
 # reuse distance this leaves the loader: docs/expert-backward.md, "dx from the panels").
-# Compiled, not yet run: no table row picks it (ExpertBackwardConfig.dx's
-# warp_specialized asks for it).
+# No table row picks the kernel (ExpertBackwardConfig.dx's warp_specialized asks for it).
 PANELS_SM90_GLUON = PanelsSm90Config(block_m=128, block_i=64, num_warps=4, num_stages=6,
                                      maxnreg=168, mma_regs=232, load_regs=40)
 
@@ -737,9 +738,9 @@ def step_down_panel(cfg: PanelGemmConfig) -> PanelGemmConfig | None:
 class PanelDxConfig:
     """Tiles of dx from the panels (`_panel_dx_kernel`): dx rows = dg Wg^T + du Wu^T over
     a tile of the dx kernel's panel rows (its block_m), the [block_m, D] fp32 accumulator
-    in registers, the reduction over I in steps of block_i (two dots a step, gate then
-    up). num_warps, num_stages: warps a program, pipelining depth of the loads. tma: the
-    weight slices through tensor descriptors where the shapes allow."""
+    in registers, the reduction over I in steps of block_i (one dot a step: every gate
+    step, then every up step). num_warps, num_stages: warps a program, pipelining depth of
+    the loads. tma: the weight slices through tensor descriptors where the shapes allow."""
 
     block_i: int
     num_warps: int
@@ -816,11 +817,11 @@ BACKWARD_SM90 = (
                                         panel=SM90_PANEL)),
 )
 # dx from the panels (ExpertBackwardConfig.panel_dx), with the Triton dx kernel leaving
-# its products out, or with the Gluon panel kernel (SM90_SPLIT_WS). Compiled, not yet
-# run on a GPU, so no table row picks them: benchmarks/bench_expert_backward.py times them
-# beside the default (docs/expert-backward.md, "dx from the panels"). 64/8/4: 196 KB of
-# shared memory and 231 registers, no spills, a wgmma in flight across steps
-# (compile-only).
+# its products out, or with the Gluon panel kernel (SM90_SPLIT_WS). Correct on the H200
+# but not faster than the default (the panel kernels' register stores of the panels bind
+# them), so no table row picks them; benchmarks/bench_expert_backward.py times them beside
+# the default (docs/expert-backward.md, "dx from the panels"). 64/8/4: 196 KB of shared
+# memory and 231 registers, no spills, a wgmma in flight across steps.
 SM90_PANEL_DX = PanelDxConfig(64, 8, 4)
 SM90_SPLIT = ExpertBackwardConfig(dx=ExpertForwardConfig(128, 16, 8, 3),
                                   dw=ExpertForwardConfig(128, 32, 8, 1), panel=SM90_PANEL,
