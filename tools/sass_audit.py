@@ -146,6 +146,23 @@ _NO_DEST = ("ST", "RED", "BAR", "BRA", "SYNCS", "UTMA", "WARPGROUP", "EXIT", "IS
             "BSYNC", "BSSY", "R2UR")
 
 
+_GLOBAL_STORE = re.compile(r"\bSTG\.E((?:\.\w+)*)")
+_STORE_WIDTH = {".128": 16, ".64": 8, ".U16": 2, ".S16": 2, ".U8": 1, ".S8": 1}
+
+
+def global_stores(sass: str) -> dict:
+    """Register-to-global stores (STG) by width in bytes -> how many the SASS has: 4 with
+    no width modifier, else 16 (.128), 8 (.64), 2 (.U16) or 1 (.U8). TMA stores are not
+    STG."""
+    counts: dict = {}
+    for modifiers in _GLOBAL_STORE.findall(sass):
+        widths = [_STORE_WIDTH[m] for m in re.findall(r"\.\w+", modifiers)
+                  if m in _STORE_WIDTH]
+        width = widths[0] if widths else 4
+        counts[width] = counts.get(width, 0) + 1
+    return counts
+
+
 def _parse(sass: str) -> list[tuple[int, str]]:
     return [(int(m.group(1), 16), m.group(2)) for m in _INSTR.finditer(sass)]
 
@@ -251,7 +268,8 @@ def audit(progress=None) -> list[dict]:
     """One row per kernel and tile: name, HGMMAs with a register A operand, hazards, and
     the waits that leave wgmma groups in flight (`WARPGROUP.DEPBAR.LE gsb0, N > 0`: none
     where ptxas serialised every wgmma, which it does when registers run short), and its
-    global atomic adds (`combine_ops`), and its wgmmas by kind and shape (`wgmma_shapes`)."""
+    global atomic adds (`combine_ops`), its wgmmas by kind and shape (`wgmma_shapes`) and
+    its register stores by width (`global_stores`; JSON keys are strings)."""
     rows = []
     for case in _cases():
         if progress:
@@ -261,7 +279,7 @@ def audit(progress=None) -> list[dict]:
         n_reg_a, hazards = register_a_hazards(sass)
         rows.append({"kernel": case.name, "hgmma_register_a": n_reg_a, "hazards": hazards,
                      "async_waits": async_waits(sass), **combine_ops(sass),
-                     "wgmmas": wgmma_shapes(sass)})
+                     "wgmmas": wgmma_shapes(sass), "stores": global_stores(sass)})
     return rows
 
 

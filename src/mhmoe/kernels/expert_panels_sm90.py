@@ -159,6 +159,80 @@ def _swiglu7_backward(g, u, t, p):
     return a.to(gl.bfloat16).to(gl.float32), dg, du
 
 
+# One 16-byte store per quad-lane thread of four bf16-pair words w0..w3 ($1-$4) that the
+# quad holds column-wise: on entry lane q of a quad holds word q of each of the four
+# 4-word groups (pair columns 4 jj + q); a transpose within the quad (rotate by q, three
+# shuffles, rotate back) leaves lane q all of group q, stored at $5, the group's address.
+# The value $0 is a dummy. Checked by a lane-level simulation of this text
+# (tests/test_quad_transpose.py).
+_QUAD_TRANSPOSE_STORE = gl.constexpr("""{
+    .reg .b32 %lane, %q, %quad, %t, %src, %u<4>, %v<4>, %z<4>, %y<4>, %o<4>;
+    .reg .pred %p1, %p2;
+    mov.u32 %lane, %laneid;
+    and.b32 %q, %lane, 3;
+    and.b32 %quad, %lane, 28;
+    and.b32 %t, %q, 1;
+    setp.ne.b32 %p1, %t, 0;
+    and.b32 %t, %q, 2;
+    setp.ne.b32 %p2, %t, 0;
+    selp.b32 %u0, $2, $1, %p1;
+    selp.b32 %u1, $3, $2, %p1;
+    selp.b32 %u2, $4, $3, %p1;
+    selp.b32 %u3, $1, $4, %p1;
+    selp.b32 %v0, %u2, %u0, %p2;
+    selp.b32 %v1, %u3, %u1, %p2;
+    selp.b32 %v2, %u0, %u2, %p2;
+    selp.b32 %v3, %u1, %u3, %p2;
+    sub.u32 %src, %q, 1;
+    and.b32 %src, %src, 3;
+    or.b32 %src, %src, %quad;
+    shfl.sync.idx.b32 %z1, %v1, %src, 31, -1;
+    sub.u32 %src, %q, 2;
+    and.b32 %src, %src, 3;
+    or.b32 %src, %src, %quad;
+    shfl.sync.idx.b32 %z2, %v2, %src, 31, -1;
+    sub.u32 %src, %q, 3;
+    and.b32 %src, %src, 3;
+    or.b32 %src, %src, %quad;
+    shfl.sync.idx.b32 %z3, %v3, %src, 31, -1;
+    selp.b32 %y0, %z1, %v0, %p1;
+    selp.b32 %y1, %v0, %z3, %p1;
+    selp.b32 %y2, %z3, %z2, %p1;
+    selp.b32 %y3, %z2, %z1, %p1;
+    selp.b32 %o0, %y2, %y0, %p2;
+    selp.b32 %o1, %y3, %y1, %p2;
+    selp.b32 %o2, %y0, %y2, %p2;
+    selp.b32 %o3, %y1, %y3, %p2;
+    st.global.v4.b32 [$5], {%o0, %o1, %o2, %o3};
+    mov.b32 $0, 0;
+}""")
+
+
+@gluon.jit
+def _store_bf16(ptr32, at3, v, quads: gl.constexpr):
+    """Stores the fp32 [64, 64] v (a t accumulator's layout) rounded to bf16 in 16-byte
+    pieces; at3: int32 offsets [64 rows, 2 halves, 4 quad lanes] in `quads`, lane q of a
+    quad addressing pairs [16 half + 4 q, + 4) of its row.
+
+    In the accumulator layout a thread holds column pairs 8 apart, so a direct store
+    writes 4 bytes a thread (a third of what HBM takes, docs/expert-backward.md); here
+    each quad of lanes transposes its pairs with shuffles, in registers (Triton's layout
+    conversion would take a shared scratch buffer the kernel has no room for).
+    Rounding: cvt.rn.bf16x2, round to nearest even as `.to(gl.bfloat16)`."""
+    lo, hi = v.reshape([64, 32, 2]).split()
+    pairs = gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [lo, hi],
+                                      dtype=gl.int32, is_pure=True, pack=1)
+    # Pair column 16 half + 4 jj + q -> words w_jj of element (row, half, q).
+    e0, e1 = pairs.reshape([64, 2, 4, 4]).permute((0, 1, 3, 2)).reshape([64, 2, 4, 2, 2]).split()
+    w0, w2 = e0.split()
+    w1, w3 = e1.split()
+    gl.inline_asm_elementwise(
+        _QUAD_TRANSPOSE_STORE, "=r,r,r,r,r,l",
+        [gl.convert_layout(w0, quads), gl.convert_layout(w1, quads),
+         gl.convert_layout(w2, quads), gl.convert_layout(w3, quads), ptr32 + at3],
+        dtype=gl.int32, is_pure=False, pack=1)
+
+
 @gluon.jit
 def _mma_partition(W: gl.constexpr, xs, dys, stages, ready, empty, x_ready, x_empty, turn,
                    tile_expert_ptr, tile_first_ptr, offsets_ptr, ntiles_ptr, probs_ptr,
@@ -172,7 +246,18 @@ def _mma_partition(W: gl.constexpr, xs, dys, stages, ready, empty, x_ready, x_em
     t_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     rows_layout: gl.constexpr = gl.SliceLayout(1, t_layout)
-    cols = gl.arange(0, 64, layout=gl.SliceLayout(0, t_layout))
+    # [64 rows, 2 halves, 4 quad lanes] of a slice's 32 bf16 pairs a row: the rows as in
+    # t_layout, the quad's lanes along the last dimension (see _store_bf16).
+    quads: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[8, 0, 0], [0, 1, 0]],
+        lane_bases=[[0, 0, 1], [0, 0, 2], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+        warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[64, 2, 4])
+    cols_layout: gl.constexpr = gl.SliceLayout(0, quads)
+    quad_cols = (16 * gl.arange(0, 2, layout=gl.SliceLayout(1, cols_layout))[:, None]
+                 + 4 * gl.arange(0, 4, layout=gl.SliceLayout(0, cols_layout))[None, :])
+    dgp32 = dgp_ptr.to(gl.pointer_type(gl.int32))
+    dup32 = dup_ptr.to(gl.pointer_type(gl.int32))
+    app32 = app_ptr.to(gl.pointer_type(gl.int32))
     xh = xs.index(W)
     dyh = dys.index(W)
     num_tiles = gl.load(ntiles_ptr)
@@ -187,7 +272,9 @@ def _mma_partition(W: gl.constexpr, xs, dys, stages, ready, empty, x_ready, x_em
         p = gl.load(probs_ptr + rows, mask=row_ok, other=0.0).to(gl.float32)
         # Row starts only: a [64, 64] tensor of offsets kept across the slices would hold
         # 64 registers a thread.
-        prow = (tile * 128 + W * 64 + gl.arange(0, 64, layout=rows_layout)).to(gl.int64) * I
+        prow = ((tile * 128 + W * 64
+                 + gl.arange(0, 64, layout=gl.SliceLayout(1, gl.SliceLayout(2, quads))))
+                .to(gl.int64) * (I // 2))
         dprob = gl.zeros([64], gl.float32, rows_layout)
         mbarrier.wait(x_ready.index(W), k & 1)
         # The cp.async writes reach the wgmma (async proxy) through this fence.
@@ -214,10 +301,10 @@ def _mma_partition(W: gl.constexpr, xs, dys, stages, ready, empty, x_ready, x_em
             u = gl.convert_layout(u, t_layout)
             a, dg, du = _swiglu7_backward(g, u, t, p)
             dprob += gl.sum(a * t, axis=1)
-            at = (prow + j * 64)[:, None] + cols[None, :]
-            gl.store(dgp_ptr + at, dg.to(gl.bfloat16))
-            gl.store(dup_ptr + at, du.to(gl.bfloat16))
-            gl.store(app_ptr + at, (a * p[:, None]).to(gl.bfloat16))
+            at = (prow + j * 32)[:, None, None] + quad_cols[None, :, :]
+            _store_bf16(dgp32, at, dg, quads)
+            _store_bf16(dup32, at, du, quads)
+            _store_bf16(app32, at, a * p[:, None], quads)
         gl.store(dprobs_ptr + rows, dprob, mask=row_ok)
         k += 1
 
