@@ -11,6 +11,7 @@ same math in fp32), whose error against the oracle sets the bar.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import pytest
 import torch
@@ -212,6 +213,30 @@ def test_gluon_panel_kernel_asked_where_it_cannot_run(rng):
     problem = make_problem(rng, 5, 2, 3, 2, 32, 32)
     with pytest.raises(ValueError, match="warp_specialized needs an sm_90 GPU"):
         run(*problem, config=tuning.SM90_SPLIT_WS)
+
+
+def test_a_table_split_falls_back_to_the_fused_kernel_where_gluon_cannot_run(rng,
+                                                                             monkeypatch):
+    # tuning.BACKWARD_SM90 picks the Gluon split at many rows per expert; where that kernel
+    # cannot run (here: no sm_90 GPU) the table's choice runs as the fused dx kernel at the
+    # same tiles, bitwise as that config asked for directly, with no warning or error.
+    table_split = dataclasses.replace(
+        SPLIT, dx=dataclasses.replace(SPLIT.dx, block_m=128, warp_specialized=True))
+    fused = dataclasses.replace(table_split, dx=dataclasses.replace(
+        table_split.dx, warp_specialized=False), panel_dx=None)
+    monkeypatch.setattr(tuning, "expert_backward_config", lambda *a, **k: table_split)
+    problem = make_problem(rng, 5, 2, 3, 2, 32, 64)
+    want = run(*problem, config=fused)
+
+    def no_split(*args, **kwargs):
+        raise AssertionError("the fallback ran the split's panel dx GEMM")
+
+    monkeypatch.setattr(eb, "_panel_dx", no_split)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = run(*problem)
+    for name, a, b in zip(NAMES, got, want, strict=True):
+        assert torch.equal(a, b), name
 
 
 def test_split_asked_where_panels_do_not_fit(rng, monkeypatch):

@@ -797,8 +797,11 @@ def triton_expert_backward(
                     "config.dx.warp_specialized needs an sm_90 GPU, bf16 x, grad_y and "
                     f"weights, D = 256 and I a multiple of 64; got {x_heads.device}, "
                     f"{x_heads.dtype}/{grad_y.dtype}/{w_down.dtype}, D={D}, I={I}")
+            # A table's split with the Gluon kernel falls back to the fused dx kernel at
+            # the same tiles: the Triton split is not faster than the fused one there.
             config = dataclasses.replace(
-                config, dx=dataclasses.replace(config.dx, warp_specialized=False))
+                config, dx=dataclasses.replace(config.dx, warp_specialized=False),
+                panel_dx=None)
     split_forced = forced and config.panel_dx is not None
     panels = _Panels.plan(config, x_heads, R, F, I, dot_fp32, w_down.dtype,
                           warn=not split_forced)

@@ -30,6 +30,8 @@ which tile or which other tokens it was computed with.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -153,7 +155,8 @@ def triton_expert_forward_fp8(
     Returns y [S, H, D] bf16. config: force tiles (tests; default
     `tuning.fp8_forward_config` by routes per expert); with `warp_specialized` the Gluon
     kernel of `expert_forward_fp8_sm90.py` runs instead (sm_90, D = 256, I a multiple of
-    64; ValueError elsewhere), at the tiles of `tuning.fp8_forward_sm90_config`, with the
+    64; elsewhere ValueError where `config` asked for it, the Triton kernel at the
+    config's tiles where the table did), at the tiles of `tuning.fp8_forward_sm90_config`, with the
     same numerics. Raises ValueError unless D is a
     power of two >= 16 (a row is one tile) and the config's block_i divides I (the
     scale loads are not masked: a partial slice would read the next expert's scales).
@@ -165,6 +168,7 @@ def triton_expert_forward_fp8(
     E = F // H
     R = gather_ids.numel()
     interpret = interpreting()
+    forced = config is not None
     if config is None:
         config = tuning.fp8_forward_config(x_heads.device, R / max(1, F), interpret)
     if D < 16 or D & (D - 1):
@@ -175,7 +179,10 @@ def triton_expert_forward_fp8(
     if config.warp_specialized:
         from . import expert_forward_fp8_sm90 as ws  # Gluon: imported where it may run
 
-        if not ws.fp8_ws_fits(x_heads, wg_t, wd_t):
+        if not ws.fp8_ws_fits(x_heads, wg_t, wd_t) and not forced:
+            # A table's choice: the Triton kernel at the row's tiles.
+            config = dataclasses.replace(config, warp_specialized=False)
+        elif not ws.fp8_ws_fits(x_heads, wg_t, wd_t):
             raise ValueError(
                 "config.warp_specialized needs an sm_90 GPU, bf16 x, e4m3 weights, D = 256 "
                 f"and I a multiple of 64; got {x_heads.device}, {x_heads.dtype}/"

@@ -347,9 +347,12 @@ class Fp8ForwardConfig:
 # routes per expert make the kernel stream weights, two of 128 above. (A weight-only
 # multiply measured slower at every size and was removed.) The sweep behind this:
 # docs/fp8.md ("Measured").
+# Above 96 the warp-specialised Gluon kernel (9.36 ms against the Triton kernel's 12.73
+# at 32,768 tokens); the row's Triton tiles are what runs where it cannot (D != 256).
 FP8_FORWARD_SM90 = (
     (96.0, Fp8ForwardConfig(block_m=64, block_i=64, num_warps=4, num_stages=3)),
-    (float("inf"), Fp8ForwardConfig(block_m=128, block_i=64, num_warps=8, num_stages=3)),
+    (float("inf"), Fp8ForwardConfig(block_m=128, block_i=64, num_warps=8, num_stages=3,
+                                    warp_specialized=True)),
 )
 FP8_FORWARD_INTERPRETER = (
     (float("inf"), Fp8ForwardConfig(block_m=32, block_i=64, num_warps=4, num_stages=1)),
@@ -375,8 +378,7 @@ class Fp8ForwardSm90Config(ExpertForwardSm90Config):
 
 
 # Seven stages (2.3 slices of I ahead) fill what the x tiles leave of the 227 KB; the
-# register budget is the bf16 kernel's. Not in FP8_FORWARD_SM90 yet: the kernel is
-# correct on the H200 but not yet timed (docs/fp8.md, "The warp-specialised fp8 kernel").
+# register budget is the bf16 kernel's (docs/fp8.md, "The warp-specialised fp8 kernel").
 FP8_FORWARD_SM90_GLUON = Fp8ForwardSm90Config(block_m=128, block_i=64, num_warps=4,
                                               num_stages=7, maxnreg=168, mma_regs=240,
                                               load_regs=24)
@@ -809,25 +811,25 @@ class ExpertBackwardConfig:
 # forward's tiles, hence block_i = 16 with 3 stages (209 KB of the 227 KB) at
 # many rows per expert. The sweeps behind each choice: docs/expert-backward.md.
 SM90_PANEL = PanelGemmConfig(128, 256, 64, 8, 3)
+SM90_FUSED = ExpertBackwardConfig(dx=ExpertForwardConfig(128, 16, 8, 3),
+                                  dw=ExpertForwardConfig(128, 32, 8, 1), panel=SM90_PANEL)
+# dx from the panels (ExpertBackwardConfig.panel_dx), with the Triton dx kernel leaving
+# its products out (SM90_SPLIT) or with the Gluon panel kernel (SM90_SPLIT_WS, which the
+# backward runs as the fused SM90_FUSED where the Gluon kernel cannot: not bf16, D != 256).
+# 64/8/4: 196 KB of shared memory and 231 registers, no spills, a wgmma in flight across
+# steps. The split reads W_gate and W_up once more (4 GB at MAGI-2's dims), which its
+# faster kernels repay only at many rows per expert: SM90_SPLIT_WS from 192 up
+# (docs/expert-backward.md, "dx from the panels").
+SM90_PANEL_DX = PanelDxConfig(64, 8, 4)
+SM90_SPLIT = dataclasses.replace(SM90_FUSED, panel_dx=SM90_PANEL_DX)
+SM90_SPLIT_WS = dataclasses.replace(
+    SM90_SPLIT, dx=dataclasses.replace(SM90_SPLIT.dx, warp_specialized=True))
 BACKWARD_SM90 = (
     (40.0, ExpertBackwardConfig(dx=ExpertForwardConfig(64, 32, 4, 3),
                                 dw=ExpertForwardConfig(64, 32, 8, 2), panel=SM90_PANEL)),
-    (float("inf"), ExpertBackwardConfig(dx=ExpertForwardConfig(128, 16, 8, 3),
-                                        dw=ExpertForwardConfig(128, 32, 8, 1),
-                                        panel=SM90_PANEL)),
+    (192.0, SM90_FUSED),
+    (float("inf"), SM90_SPLIT_WS),
 )
-# dx from the panels (ExpertBackwardConfig.panel_dx), with the Triton dx kernel leaving
-# its products out, or with the Gluon panel kernel (SM90_SPLIT_WS). Correct on the H200
-# but not faster than the default (the panel kernels' register stores of the panels bind
-# them), so no table row picks them; benchmarks/bench_expert_backward.py times them beside
-# the default (docs/expert-backward.md, "dx from the panels"). 64/8/4: 196 KB of shared
-# memory and 231 registers, no spills, a wgmma in flight across steps.
-SM90_PANEL_DX = PanelDxConfig(64, 8, 4)
-SM90_SPLIT = ExpertBackwardConfig(dx=ExpertForwardConfig(128, 16, 8, 3),
-                                  dw=ExpertForwardConfig(128, 32, 8, 1), panel=SM90_PANEL,
-                                  panel_dx=SM90_PANEL_DX)
-SM90_SPLIT_WS = dataclasses.replace(
-    SM90_SPLIT, dx=dataclasses.replace(SM90_SPLIT.dx, warp_specialized=True))
 # float32 operands (fp32 weights, or mixed dtypes): twice the shared memory per
 # tile, so the bf16 rows above would not fit (dx 336 KB, dw 248 KB against 227 KB);
 # starting from tiles that fit saves the launch-time step-downs, each of which
