@@ -369,7 +369,10 @@ def test_replicated_input_needs_no_process_group(rng):
         y = layer(x_local)
         want = full(x)[:, 2 * D:]
     assert y.shape == x_local.shape
-    torch.testing.assert_close(y[:, :D], want, rtol=1e-6, atol=1e-6)
+    # float32 to its rounding: the one-head and three-head layers run the same products
+    # through matmuls of other shapes (BLAS blocks the sums differently); 1e-6 failed one
+    # element in 80 at 2.2e-6 for one seed.
+    torch.testing.assert_close(y[:, :D], want, rtol=1e-5, atol=1e-5)
     assert not y[:, D:].any()  # the padding head
     sequence = MultiHeadMoE(SMALL, partition=p)
     with pytest.raises(ValueError, match="pass group="):
