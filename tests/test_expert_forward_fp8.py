@@ -136,6 +136,27 @@ def test_forced_warp_specialized_refuses_where_it_cannot_run():
         run(x, layout, q, Fp8ForwardConfig(128, ACT_BLOCK, 8, 3, warp_specialized=True))
 
 
+def test_a_table_choice_of_the_gluon_kernel_runs_the_triton_one_where_it_cannot(
+        monkeypatch):
+    # tuning.FP8_FORWARD_SM90 picks the Gluon kernel above 96 routes an expert; where it
+    # cannot run (here: no sm_90 GPU) the table's row runs as the Triton kernel at its
+    # tiles, bitwise as those tiles asked for directly, with no error or warning.
+    import warnings
+
+    from mhmoe.kernels import tuning
+
+    tiles = Fp8ForwardConfig(32, ACT_BLOCK, 4, 1)
+    monkeypatch.setattr(tuning, "fp8_forward_config", lambda *a, **k: Fp8ForwardConfig(
+        32, ACT_BLOCK, 4, 1, warp_specialized=True))
+    x, layout, w = problem(20, 2, 4, 2, 32, 64, seed=3)
+    q = quantize_weights(*w)
+    for deterministic in (False, True):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            got = run(x, layout, q, None, deterministic)
+        assert torch.equal(got, run(x, layout, q, tiles, deterministic)), deterministic
+
+
 def test_gluon_tiles_must_fit_the_shared_memory():
     # 96 KB of x tiles and 8 KB of activations leave room for 7 ring stages of 16.5 KB.
     import dataclasses

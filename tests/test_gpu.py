@@ -582,7 +582,9 @@ def test_split_backward_and_gluon_panel_kernel(S, H, E, K, I, edge, monkeypatch)
     ws_det = run(tuning.SM90_SPLIT_WS)
     for name, a, b in zip(names, ws_det, run(tuning.SM90_SPLIT_WS), strict=True):
         assert torch.equal(a, b), (edge, name)
-    fused = run(None)
+    # The fused dx kernel, named: the table picks the Gluon split itself above 192 rows
+    # an expert, which would make this bar the Gluon path's own.
+    fused = run(tuning.SM90_FUSED)
     tri = run(tuning.SM90_SPLIT)
     ws = run(tuning.SM90_SPLIT_WS, deterministic=False)
     if S * H * K <= 20000:
@@ -638,18 +640,28 @@ def test_fp8_kernel_against_its_float64_twin_at_magi2_dims(S, edge):
     layout = sort_routes_reference(probs, idx, E)
     k_major = (q.w_gate.transpose(1, 2), q.w_up.transpose(1, 2), q.w_down.transpose(1, 2),
                q.gate_scale, q.up_scale, q.down_scale)
-    for deterministic in (False, True):
-        y = triton_expert_forward_fp8(x, *layout, *k_major, deterministic=deterministic)
-        assert torch.isfinite(y).all(), (edge, deterministic)
+    # The default (the table's choice: the Gluon kernel above 96 routes an expert) and the
+    # Triton kernel at the table's tiles, which also runs where the Gluon one cannot.
+    import mhmoe.kernels.tuning as tuning
+
+    table = tuning.fp8_forward_config(x.device, S * K / E)
+    configs = [None, tuning.Fp8ForwardConfig(table.block_m, table.block_i, table.num_warps,
+                                             table.num_stages)]
+    for config in configs:
+        for deterministic in (False, True):
+            y = triton_expert_forward_fp8(x, *layout, *k_major, deterministic=deterministic,
+                                          config=config)
+            assert torch.isfinite(y).all(), (edge, deterministic, config)
     gather_ids, sorted_probs, offsets = layout
     # head 0's experts: every token has its K routes there, as deterministic mode needs
     n = int(offsets[E])
     sub = (gather_ids[:n], sorted_probs[:n], offsets[:E + 1])
     twin = fp8_expert_reference(x[:, :1], *sub, Fp8Weights(*(t[:E] for t in q)))
-    for deterministic in (False, True):
-        mine = triton_expert_forward_fp8(x[:, :1], *sub, *(t[:E] for t in k_major),
-                                         deterministic=deterministic)
-        assert rel_err(mine, twin) < 1e-2, (edge, deterministic)
+    for config in configs:
+        for deterministic in (False, True):
+            mine = triton_expert_forward_fp8(x[:, :1], *sub, *(t[:E] for t in k_major),
+                                             deterministic=deterministic, config=config)
+            assert rel_err(mine, twin) < 1e-2, (edge, deterministic, config)
 
 
 @pytest.mark.parametrize("S,H,E,K,I,edge,group_bytes", [
@@ -697,7 +709,12 @@ def test_gluon_fp8_kernel_equals_the_triton_fp8_kernel(S, H, E, K, I, edge, grou
     twin = fp8_expert_reference(x[:, :1], *sub, Fp8Weights(*(t[:E] for t in q)))
     mine = triton_expert_forward_fp8(x[:, :1], *sub, *(t[:E] for t in k_major), config=ws_cfg)
     assert rel_err(mine, twin) < 1e-2, edge
-    tri = triton_expert_forward_fp8(x, *layout, *k_major, deterministic=True)
+    # The Triton kernel at the table's tiles, named: the table itself picks the Gluon
+    # kernel above 96 routes an expert.
+    tri_cfg = tuning.fp8_forward_config(x.device, layout.gather_ids.numel() / (H * E))
+    tri_cfg = tuning.Fp8ForwardConfig(tri_cfg.block_m, tri_cfg.block_i, tri_cfg.num_warps,
+                                      tri_cfg.num_stages)
+    tri = triton_expert_forward_fp8(x, *layout, *k_major, deterministic=True, config=tri_cfg)
     assert torch.equal(ws_det[0], tri), (edge, rel_err(ws_det[0], tri))
 
 

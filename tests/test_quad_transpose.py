@@ -38,13 +38,12 @@ def run_warp(asm: str, inputs: list[list], operands: int):
     for line in body:
         op, rest = line.split(None, 1)
         args = _operands(rest)
-        if op in ("shfl.sync.idx.b32", "shfl.sync.bfly.b32"):
+        if op == "shfl.sync.bfly.b32":
             dst, src, b, clamp, mask = args
             assert (clamp, mask) == ("31", "-1"), line  # whole warp, no segments
             sent = [regs[lane][src] for lane in range(32)]
             for lane in range(32):
-                other = value(lane, b) if op.endswith("idx.b32") else lane ^ value(lane, b)
-                regs[lane][dst] = sent[other & 31]
+                regs[lane][dst] = sent[(lane ^ value(lane, b)) & 31]
             continue
         for lane in range(32):
             r = regs[lane]
@@ -52,10 +51,6 @@ def run_warp(asm: str, inputs: list[list], operands: int):
                 r[args[0]] = value(lane, args[1])
             elif op == "and.b32":
                 r[args[0]] = value(lane, args[1]) & value(lane, args[2])
-            elif op == "or.b32":
-                r[args[0]] = value(lane, args[1]) | value(lane, args[2])
-            elif op == "sub.u32":
-                r[args[0]] = (value(lane, args[1]) - value(lane, args[2])) % 2**32
             elif op == "setp.ne.b32":
                 r[args[0]] = value(lane, args[1]) != value(lane, args[2])
             elif op == "selp.b32":

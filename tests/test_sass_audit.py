@@ -125,8 +125,9 @@ def test_compiled_sm90_kernels_have_no_register_a_hazards():
     assert r["wgmmas"] == {"HGMMA.64x128x16": 32, "HGMMA.64x64x16": 32}, r
     assert r["async_waits"] >= 14 and r["hgmma_register_a"] == 0, r
     assert r["reductions"] == 0 and r["fp32_atomics"] == 0, r
-    # Its dg, du and a p panels leave in 16-byte stores (a warpgroup, a slice: 3 panels x
-    # 2 row halves x 2 column halves); only the dprobs rows are 4-byte stores.
+    # Its dg, du and a p panels leave in 16-byte stores (per MMA warpgroup's code, a slice:
+    # 3 panels x 2 row halves x 2 column halves, 12; both warpgroups' code is counted);
+    # only the dprobs rows are 4-byte stores.
     assert r["stores"] == {"16": 24, "4": 4}, r
     # dx from the panels: one N = 256 product a step of 64, in two loops (gate, then up),
     # each keeping a wgmma in flight across its steps; both modes.

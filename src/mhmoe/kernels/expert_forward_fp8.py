@@ -179,10 +179,11 @@ def triton_expert_forward_fp8(
     if config.warp_specialized:
         from . import expert_forward_fp8_sm90 as ws  # Gluon: imported where it may run
 
-        if not ws.fp8_ws_fits(x_heads, wg_t, wd_t) and not forced:
-            # A table's choice: the Triton kernel at the row's tiles.
+        if ws.fp8_ws_fits(x_heads, wg_t, wd_t):
+            pass
+        elif not forced:  # a table's choice: the Triton kernel at the row's tiles
             config = dataclasses.replace(config, warp_specialized=False)
-        elif not ws.fp8_ws_fits(x_heads, wg_t, wd_t):
+        else:
             raise ValueError(
                 "config.warp_specialized needs an sm_90 GPU, bf16 x, e4m3 weights, D = 256 "
                 f"and I a multiple of 64; got {x_heads.device}, {x_heads.dtype}/"

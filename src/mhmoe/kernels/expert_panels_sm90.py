@@ -198,8 +198,8 @@ _QUAD_TRANSPOSE_STORE = gl.constexpr("""{
 @gluon.jit
 def _store_bf16(ptr32, at3, v, quads: gl.constexpr):
     """Stores the fp32 [64, 64] v (a t accumulator's layout) rounded to bf16 in 16-byte
-    pieces; at3: int32 offsets [64 rows, 2 halves, 4 quad lanes] in `quads`, lane q of a
-    quad addressing pairs [16 half + 4 q, + 4) of its row.
+    pieces; at3: offsets in 4-byte words (int64), [64 rows, 2 halves, 4 quad lanes] in
+    `quads`, lane q of a quad addressing pairs [16 half + 4 q, + 4) of its row.
 
     In the accumulator layout a thread holds column pairs 8 apart, so a direct store
     writes 4 bytes a thread (a third of what HBM takes, docs/expert-backward.md); here
