@@ -38,12 +38,12 @@ def run_warp(asm: str, inputs: list[list], operands: int):
     for line in body:
         op, rest = line.split(None, 1)
         args = _operands(rest)
-        if op == "shfl.sync.bfly.b32":
-            dst, src, b, clamp, mask = args
+        if op == "shfl.sync.idx.b32":
+            dst, src, lane_of, clamp, mask = args
             assert (clamp, mask) == ("31", "-1"), line  # whole warp, no segments
             sent = [regs[lane][src] for lane in range(32)]
             for lane in range(32):
-                regs[lane][dst] = sent[(lane ^ value(lane, b)) & 31]
+                regs[lane][dst] = sent[value(lane, lane_of) & 31]
             continue
         for lane in range(32):
             r = regs[lane]
@@ -51,6 +51,10 @@ def run_warp(asm: str, inputs: list[list], operands: int):
                 r[args[0]] = value(lane, args[1])
             elif op == "and.b32":
                 r[args[0]] = value(lane, args[1]) & value(lane, args[2])
+            elif op == "or.b32":
+                r[args[0]] = value(lane, args[1]) | value(lane, args[2])
+            elif op == "sub.u32":
+                r[args[0]] = (value(lane, args[1]) - value(lane, args[2])) % 2**32
             elif op == "setp.ne.b32":
                 r[args[0]] = value(lane, args[1]) != value(lane, args[2])
             elif op == "selp.b32":
@@ -78,9 +82,9 @@ def test_quad_transpose_store_gives_each_lane_four_consecutive_words():
 
 
 def test_the_simulation_can_fail():
-    # A swapped pair of the last selects moves two words: the check above would fail.
+    # A swapped pair of the closing selects moves two words: the check above would fail.
     asm = expert_panels_sm90._QUAD_TRANSPOSE_STORE.value
-    broken = asm.replace("selp.b32 %b3, %a3, %r, %p2", "selp.b32 %b3, %r, %a3, %p2")
+    broken = asm.replace("selp.b32 %o0, %y2, %y0, %p2", "selp.b32 %o0, %y0, %y2, %p2")
     assert broken != asm
     inputs = [[(lane // 4, 4 * jj + lane % 4) for jj in range(4)] + [lane]
               for lane in range(32)]

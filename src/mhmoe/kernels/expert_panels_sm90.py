@@ -161,36 +161,51 @@ def _swiglu7_backward(g, u, t, p):
 
 # One 16-byte store per quad-lane thread of four bf16-pair words w0..w3 ($1-$4) that the
 # quad holds column-wise: on entry lane q of a quad holds word q of each of the four
-# 4-word groups (pair columns 4 jj + q). A 4 x 4 transpose across the quad in two
-# butterfly stages (lanes q and q ^ 1 swap the words whose bit 0 differs from q's, then
-# lanes q and q ^ 2 those whose bit 1 differs) leaves lane q all of group q, stored at
-# $5, the group's address. $0 is a dummy. Checked by a lane-level simulation of this
-# text (tests/test_quad_transpose.py).
+# 4-word groups (pair columns 4 jj + q); a transpose within the quad (rotate by q, three
+# shuffles, rotate back) leaves lane q all of group q, stored at $5, the group's address.
+# The value $0 is a dummy. Checked by a lane-level simulation of this text
+# (tests/test_quad_transpose.py) and on the H200 (the panels bitwise equal to the Triton
+# split's). A butterfly form (two shfl.bfly stages, ~40 fewer instructions a slice) is in
+# commit ee1eab1, passed the simulation, and awaits its GPU test (docs/expert-backward.md).
 _QUAD_TRANSPOSE_STORE = gl.constexpr("""{
-    .reg .b32 %lane, %t, %s, %r, %a<4>, %b<4>;
+    .reg .b32 %lane, %q, %quad, %t, %src, %u<4>, %v<4>, %z<4>, %y<4>, %o<4>;
     .reg .pred %p1, %p2;
     mov.u32 %lane, %laneid;
-    and.b32 %t, %lane, 1;
+    and.b32 %q, %lane, 3;
+    and.b32 %quad, %lane, 28;
+    and.b32 %t, %q, 1;
     setp.ne.b32 %p1, %t, 0;
-    and.b32 %t, %lane, 2;
+    and.b32 %t, %q, 2;
     setp.ne.b32 %p2, %t, 0;
-    selp.b32 %s, $1, $2, %p1;
-    shfl.sync.bfly.b32 %r, %s, 1, 31, -1;
-    selp.b32 %a0, %r, $1, %p1;
-    selp.b32 %a1, $2, %r, %p1;
-    selp.b32 %s, $3, $4, %p1;
-    shfl.sync.bfly.b32 %r, %s, 1, 31, -1;
-    selp.b32 %a2, %r, $3, %p1;
-    selp.b32 %a3, $4, %r, %p1;
-    selp.b32 %s, %a0, %a2, %p2;
-    shfl.sync.bfly.b32 %r, %s, 2, 31, -1;
-    selp.b32 %b0, %r, %a0, %p2;
-    selp.b32 %b2, %a2, %r, %p2;
-    selp.b32 %s, %a1, %a3, %p2;
-    shfl.sync.bfly.b32 %r, %s, 2, 31, -1;
-    selp.b32 %b1, %r, %a1, %p2;
-    selp.b32 %b3, %a3, %r, %p2;
-    st.global.v4.b32 [$5], {%b0, %b1, %b2, %b3};
+    selp.b32 %u0, $2, $1, %p1;
+    selp.b32 %u1, $3, $2, %p1;
+    selp.b32 %u2, $4, $3, %p1;
+    selp.b32 %u3, $1, $4, %p1;
+    selp.b32 %v0, %u2, %u0, %p2;
+    selp.b32 %v1, %u3, %u1, %p2;
+    selp.b32 %v2, %u0, %u2, %p2;
+    selp.b32 %v3, %u1, %u3, %p2;
+    sub.u32 %src, %q, 1;
+    and.b32 %src, %src, 3;
+    or.b32 %src, %src, %quad;
+    shfl.sync.idx.b32 %z1, %v1, %src, 31, -1;
+    sub.u32 %src, %q, 2;
+    and.b32 %src, %src, 3;
+    or.b32 %src, %src, %quad;
+    shfl.sync.idx.b32 %z2, %v2, %src, 31, -1;
+    sub.u32 %src, %q, 3;
+    and.b32 %src, %src, 3;
+    or.b32 %src, %src, %quad;
+    shfl.sync.idx.b32 %z3, %v3, %src, 31, -1;
+    selp.b32 %y0, %z1, %v0, %p1;
+    selp.b32 %y1, %v0, %z3, %p1;
+    selp.b32 %y2, %z3, %z2, %p1;
+    selp.b32 %y3, %z2, %z1, %p1;
+    selp.b32 %o0, %y2, %y0, %p2;
+    selp.b32 %o1, %y3, %y1, %p2;
+    selp.b32 %o2, %y0, %y2, %p2;
+    selp.b32 %o3, %y1, %y3, %p2;
+    st.global.v4.b32 [$5], {%o0, %o1, %o2, %o3};
     mov.b32 $0, 0;
 }""")
 
