@@ -818,7 +818,9 @@ SM90_FUSED = ExpertBackwardConfig(dx=ExpertForwardConfig(128, 16, 8, 3),
 # backward runs as the fused SM90_FUSED where the Gluon kernel cannot: not bf16, D != 256).
 # 64/8/4: 196 KB of shared memory and 231 registers, no spills, a wgmma in flight across
 # steps. The split reads W_gate and W_up once more (4 GB at MAGI-2's dims), which its
-# faster kernels repay only at many rows per expert: SM90_SPLIT_WS from 192 up
+# faster kernels repay only at many rows per expert: SM90_SPLIT_WS from 192 up, where
+# ~1 ms of extra reads meets the 3.3 ms it saved at 768 (32,768 tokens), scaled by rows:
+# an estimate until the sweep at 4,096 and 16,384 tokens places it
 # (docs/expert-backward.md, "dx from the panels").
 SM90_PANEL_DX = PanelDxConfig(64, 8, 4)
 SM90_SPLIT = dataclasses.replace(SM90_FUSED, panel_dx=SM90_PANEL_DX)
