@@ -154,10 +154,10 @@ def triton_expert_forward_fp8(
     gate_scale, up_scale: [H*E, I] fp32; down_scale: [H*E, D] fp32.
     Returns y [S, H, D] bf16. config: force tiles (tests; default
     `tuning.fp8_forward_config` by routes per expert); with `warp_specialized` the Gluon
-    kernel of `expert_forward_fp8_sm90.py` runs instead (sm_90, D = 256, I a multiple of
-    64; elsewhere ValueError where `config` asked for it, the Triton kernel at the
-    config's tiles where the table did), at the tiles of `tuning.fp8_forward_sm90_config`, with the
-    same numerics. Raises ValueError unless D is a
+    kernel of `expert_forward_fp8_sm90.py` runs instead, at the tiles of
+    `tuning.fp8_forward_sm90_config`, with the same numerics (sm_90, D = 256, I a
+    multiple of 64; elsewhere ValueError where `config` asked for it, the Triton kernel
+    at the config's tiles where the table did). Raises ValueError unless D is a
     power of two >= 16 (a row is one tile) and the config's block_i divides I (the
     scale loads are not masked: a partial slice would read the next expert's scales).
     Inputs are otherwise assumed valid (`experts.check_fp8_expert_inputs`); nothing is
@@ -179,15 +179,14 @@ def triton_expert_forward_fp8(
     if config.warp_specialized:
         from . import expert_forward_fp8_sm90 as ws  # Gluon: imported where it may run
 
-        if ws.fp8_ws_fits(x_heads, wg_t, wd_t):
-            pass
-        elif not forced:  # a table's choice: the Triton kernel at the row's tiles
+        if not ws.fp8_ws_fits(x_heads, wg_t, wd_t):
+            if forced:
+                raise ValueError(
+                    "config.warp_specialized needs an sm_90 GPU, bf16 x, e4m3 weights, "
+                    f"D = 256 and I a multiple of 64; got {x_heads.device}, {x_heads.dtype}/"
+                    f"{wg_t.dtype}, D={D}, I={I}")
+            # A table's choice: the Triton kernel at the row's tiles.
             config = dataclasses.replace(config, warp_specialized=False)
-        else:
-            raise ValueError(
-                "config.warp_specialized needs an sm_90 GPU, bf16 x, e4m3 weights, D = 256 "
-                f"and I a multiple of 64; got {x_heads.device}, {x_heads.dtype}/"
-                f"{wg_t.dtype}, D={D}, I={I}")
     y = torch.empty(S, H, D, dtype=x_heads.dtype, device=x_heads.device)
     if S == 0 or R == 0:
         return y.zero_()

@@ -399,7 +399,8 @@ class PanelsSm90Config(ExpertForwardSm90Config):
 
 # Six 16 KB stages, one block's, fill what the x and dy tiles leave of the 227 KB (the
 # reuse distance this leaves the loader: docs/expert-backward.md, "dx from the panels").
-# No table row picks the kernel (ExpertBackwardConfig.dx's warp_specialized asks for it).
+# The kernel runs where an ExpertBackwardConfig's dx.warp_specialized asks for it
+# (SM90_SPLIT_WS, BACKWARD_SM90's row above 192 rows an expert).
 PANELS_SM90_GLUON = PanelsSm90Config(block_m=128, block_i=64, num_warps=4, num_stages=6,
                                      maxnreg=168, mma_regs=232, load_regs=40)
 
