@@ -347,8 +347,9 @@ class Fp8ForwardConfig:
 # routes per expert make the kernel stream weights, two of 128 above. (A weight-only
 # multiply measured slower at every size and was removed.) The sweep behind this:
 # docs/fp8.md ("Measured").
-# Above 96 the warp-specialised Gluon kernel (9.36 ms against the Triton kernel's 12.73
-# at 32,768 tokens); the row's Triton tiles are what runs where it cannot (D != 256).
+# Above 96 the warp-specialised Gluon kernel, faster than the Triton one at many routes an
+# expert and slower at few (docs/fp8.md, "The warp-specialised fp8 kernel"); the row's
+# Triton tiles are what runs where it cannot (D != 256).
 FP8_FORWARD_SM90 = (
     (96.0, Fp8ForwardConfig(block_m=64, block_i=64, num_warps=4, num_stages=3)),
     (float("inf"), Fp8ForwardConfig(block_m=128, block_i=64, num_warps=8, num_stages=3,
