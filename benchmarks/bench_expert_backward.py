@@ -1,7 +1,7 @@
 """Check and time the fused expert backward at MAGI-2 dims (run on a GPU machine).
 
     PYTHONPATH=src python3 benchmarks/bench_expert_backward.py [--sizes 4096,32768]
-        [--sweep "dx=m/i/w/s,dw=m/i/w/s,panel=m/n/k/w/s[/tma]|none,pdx=i/w/s,ws=1;..."]
+        [--sweep "dx=m/i/w/s,dw=m/i/w/s,panel=m/n/k/w/s[/tma]|none,pdx=i/w/s,ws=1,rcp=1,st=8;..."]
         [--skip-checks]
         [--out OUT.json] [--no-record]
     PYTHONPATH=src python3 benchmarks/bench_expert_backward.py --cpu    (a dry run)
@@ -15,7 +15,8 @@ and mode (default / deterministic): the forward, the backward and forward+backwa
 --sweep: backward tile configs over the default ones of `tuning.expert_backward_config`
 (ExpertForwardConfig / PanelGemmConfig / PanelDxConfig fields in order, booleans as 0/1;
 panel=none: the recomputing dW kernel; pdx: dx from the panels; ws=1 with pdx: the Gluon
-panel kernel), timed at the largest S in default mode in shuffled
+panel kernel; rcp=1: the sigmoid's reciprocal, `sigmoid_rcp`; st=8: the Gluon kernel's
+8-byte stores, `panel_store_bytes`), timed at the largest S in default mode in shuffled
 interleaved rounds against the default tiles (`mhmoe.bench.interleaved`,
 docs/measuring.md), with the largest relative difference of their gradients from the
 default's. A table last.
@@ -170,14 +171,18 @@ def time_size(st: Setup, S: int, gen, weights, det: bool) -> dict:
 
 
 def parse_config(spec: str, default: ExpertBackwardConfig) -> ExpertBackwardConfig:
-    """'dx=m/i/w/s,dw=m/i/w/s,panel=m/n/k/w/s[/tma],pdx=i/w/s[/tma],ws=0|1' over
-    `default` (fields in the dataclasses' order, booleans as 0/1); 'panel=none':
+    """'dx=m/i/w/s,dw=m/i/w/s,panel=m/n/k/w/s[/tma],pdx=i/w/s[/tma],ws=0|1,rcp=0|1,st=8|16'
+    over `default` (fields in the dataclasses' order, booleans as 0/1); 'panel=none':
     recompute; pdx: dx from the panels (`PanelDxConfig`); ws=1: with pdx, the Gluon
-    panel kernel (dx.warp_specialized)."""
+    panel kernel (dx.warp_specialized); rcp: `sigmoid_rcp`; st: `panel_store_bytes`."""
     tiles, ws = {}, None
     for part in spec.split(","):
         key, value = part.split("=")
-        if key == "panel":
+        if key == "rcp":
+            tiles["sigmoid_rcp"] = bool(int(value))
+        elif key == "st":
+            tiles["panel_store_bytes"] = int(value)
+        elif key == "panel":
             tiles[key] = None if value == "none" else PanelGemmConfig(*map(int, value.split("/")))
         elif key == "pdx":
             tiles["panel_dx"] = (None if value == "none"

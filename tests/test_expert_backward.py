@@ -248,6 +248,43 @@ def test_split_asked_where_panels_do_not_fit(rng, monkeypatch):
         run(*problem, config=SPLIT)
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_sigmoid_rcp_matches_oracle_and_the_division(rng, path):
+    # ExpertBackwardConfig.sigmoid_rcp: as accurate as the division, and bitwise the
+    # same where every 1 + e stays below 2^126 (g > -51.3), as here.
+    config = PATHS[path]
+    grads = check(rng, 13, 2, 3, 2, 32, 64, config=dataclasses.replace(config, sigmoid_rcp=True))
+    problem = make_problem(torch.Generator().manual_seed(7), 13, 2, 3, 2, 32, 64)
+    rcp = run(*problem, config=dataclasses.replace(config, sigmoid_rcp=True))
+    for name, a, b in zip(NAMES, rcp, run(*problem, config=config), strict=True):
+        assert torch.equal(a, b), name
+    assert all(torch.isfinite(g).all() for g in grads)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_sigmoid_rcp_gives_zero_where_the_division_gives_a_subnormal(path):
+    # Every g = 16 * -1 * 3.234375 = -51.75: 1 + e = 2^127.07, whose reciprocal is
+    # subnormal. The division keeps it (tiny non-zero gradients); the reciprocal, as
+    # rcp.approx.ftz, flushes it to zero: a, dg and du are zero, and so every gradient.
+    S, H, E, K, D, I = 6, 1, 2, 1, 16, 32
+    gen = torch.Generator().manual_seed(3)
+    x = -torch.ones(S, H, D, dtype=torch.bfloat16)
+    dy = torch.randn(S, H, D, generator=gen).bfloat16()
+    wg = torch.full((H * E, D, I), 3.234375).bfloat16()
+    wu = (torch.randn(H * E, D, I, generator=gen) * 0.1).bfloat16()
+    wd = torch.randn(H * E, I, D, generator=gen).bfloat16()
+    indices = torch.arange(S).remainder(E).view(H, S, K)
+    probs = torch.rand(H, S, K, generator=gen) + 0.5
+    problem = (x, probs, indices, wg, wu, wd, dy)
+    config = PATHS[path]
+    division = run(*problem, config=config)
+    rcp = run(*problem, config=dataclasses.replace(config, sigmoid_rcp=True))
+    for name, a, b in zip(NAMES, division, rcp, strict=True):
+        assert torch.count_nonzero(b) == 0, name
+        assert torch.isfinite(a).all() and a.abs().max() < 1e-30, name
+    assert any(torch.count_nonzero(a) > 0 for a in division)
+
+
 def test_split_config_checks():
     with pytest.raises(ValueError, match="needs panels"):
         ExpertBackwardConfig(dx=BIG.dx, dw=BIG.dw, panel_dx=PanelDxConfig(32, 4, 1))
@@ -259,6 +296,8 @@ def test_split_config_checks():
     with pytest.raises(ValueError, match="no cluster variant"):
         ExpertBackwardConfig(dx=dataclasses.replace(ws, block_m=128, cluster=2), dw=BIG.dw,
                              panel=BIG.panel, panel_dx=PanelDxConfig(32, 4, 1))
+    with pytest.raises(ValueError, match="panel_store_bytes must be 8 or 16"):
+        dataclasses.replace(BIG, panel_store_bytes=4)
     with pytest.raises(ValueError, match="block_i must be a power of two"):
         PanelDxConfig(24, 4, 1)
     steps, cfg = [], PanelDxConfig(32, 4, 2)

@@ -542,6 +542,25 @@ def test_backward_panel_head_groups_bitwise_on_gpu(monkeypatch):
         assert torch.equal(a, b), name
 
 
+def panel_case(S, H, E, K, I, edge, monkeypatch):
+    """A backward problem of `gluon_case` (with "below" in `edge`: 40 tokens' x times
+    100, some g below -51.3) and its runner: (x, weights, dy, layout, run), run(config,
+    deterministic=True) giving `triton_expert_backward`'s five outputs."""
+    import mhmoe.kernels.expert_backward as eb
+
+    x, w, probs, scores, gen = gluon_case(S, H, E, K, I, edge, None, monkeypatch)
+    if "below" in edge:
+        x[:40] *= 100
+    dy = torch.randn(S, H, x.shape[2], device="cuda", generator=gen).bfloat16()
+    layout = mhmoe.sort_routes(probs, scores.topk(K, dim=-1).indices, E)
+
+    def run(config, deterministic=True):
+        return eb.triton_expert_backward(dy, x, *layout, *w, deterministic=deterministic,
+                                         config=config)
+
+    return x, w, dy, layout, run
+
+
 @pytest.mark.parametrize("S,H,E,K,I,edge", [
     (300, 2, 8, 2, 192, "tiles ending inside an expert's rows"),
     (200, 2, 4, 2, 64, "one slice of I"),
@@ -565,18 +584,12 @@ def test_split_backward_and_gluon_panel_kernel(S, H, E, K, I, edge, monkeypatch)
     import mhmoe.kernels.tuning as tuning
     from mhmoe.reference import expert_backward_reference
 
-    x, (wg, wu, wd), probs, scores, gen = gluon_case(S, H, E, K, I, edge, None, monkeypatch)
+    x, (wg, wu, wd), dy, layout, run = panel_case(S, H, E, K, I, edge, monkeypatch)
     D = x.shape[2]
-    dy = torch.randn(S, H, D, device="cuda", generator=gen).bfloat16()
-    layout = mhmoe.sort_routes(probs, scores.topk(K, dim=-1).indices, E)
     R = layout.gather_ids.numel()
     if "one head" in edge:
         per_head = eb._panel_rows(S, H, R, E, 1, 128) * (2 * D + 3 * I) * 2
         monkeypatch.setattr(tuning, "PANEL_WORKSPACE_BYTES", per_head)
-
-    def run(config, deterministic=True):
-        return eb.triton_expert_backward(dy, x, *layout, wg, wu, wd,
-                                         deterministic=deterministic, config=config)
 
     names = ("dx", "dprobs", "dWg", "dWu", "dWd")
     ws_det = run(tuning.SM90_SPLIT_WS)
@@ -602,6 +615,70 @@ def test_split_backward_and_gluon_panel_kernel(S, H, E, K, I, edge, monkeypatch)
     for name, a, b in zip(names, ws_det, tri, strict=True):
         if name != "dprobs":
             assert torch.equal(a, b), (edge, name)
+
+
+@pytest.mark.parametrize("S,H,E,K,I,edge", [
+    (300, 2, 8, 2, 192, "tiles ending inside an expert's rows"),
+    (8192, 2, 8, 4, 64, "about 4 tiles a program, one slice of I"),
+    (1000, 3, 16, 4, 320, "g below -51.3 on some rows (40 tokens' x times 100)"),
+    (4096, 12, 256, 6, 1280, "MAGI-2's expert shapes"),
+])
+def test_gluon_panel_kernel_variants(S, H, E, K, I, edge, monkeypatch):
+    # ExpertBackwardConfig.sigmoid_rcp and panel_store_bytes=8 (docs/expert-backward.md,
+    # "The panel kernel's window"). The 8-byte stores write the 16-byte ones' values; with
+    # the reciprocal, the Gluon panels still give the Triton split's dx and weight
+    # gradients bitwise (dprobs within rounding), run to run bitwise; where no g lies
+    # below -51.3 the reciprocal gives the division's results bitwise in every backward
+    # kernel (the division rescales only divisors above 2^126); and it stays as accurate
+    # against float64 as the fused default.
+    import dataclasses
+
+    import mhmoe.kernels.tuning as tuning
+    from mhmoe.reference import expert_backward_reference
+
+    x, (wg, wu, wd), dy, layout, run = panel_case(S, H, E, K, I, edge, monkeypatch)
+    low = "below" in edge
+
+    def rcp(config, **fields):
+        return dataclasses.replace(config, sigmoid_rcp=True, **fields)
+
+    recompute = dataclasses.replace(tuning.SM90_FUSED, panel=None)
+    configs = {"ws": tuning.SM90_SPLIT_WS,
+               "ws 8": dataclasses.replace(tuning.SM90_SPLIT_WS, panel_store_bytes=8),
+               "ws rcp": rcp(tuning.SM90_SPLIT_WS),
+               "ws rcp 8": rcp(tuning.SM90_SPLIT_WS, panel_store_bytes=8),
+               "split rcp": rcp(tuning.SM90_SPLIT),
+               "fused": tuning.SM90_FUSED, "fused rcp": rcp(tuning.SM90_FUSED),
+               "recompute": recompute, "recompute rcp": rcp(recompute)}
+    out = {name: run(config) for name, config in configs.items()}
+    names = ("dx", "dprobs", "dWg", "dWu", "dWd")
+
+    def equal(a, b, skip=()):
+        for name, u, v in zip(names, out[a], out[b], strict=True):
+            if name not in skip:
+                assert torch.equal(u, v), (edge, a, b, name)
+
+    for name, u, v in zip(names, out["ws rcp 8"], run(configs["ws rcp 8"]), strict=True):
+        assert torch.equal(u, v), (edge, "run to run", name)
+    equal("ws", "ws 8")
+    equal("ws rcp", "ws rcp 8")
+    equal("ws rcp 8", "split rcp", skip=("dprobs",))
+    assert rel_err(out["ws rcp 8"][1], out["split rcp"][1]) < 1e-5, edge
+    default = run(configs["ws rcp 8"], deterministic=False)
+    assert rel_err(default[0], out["ws rcp 8"][0]) < 1e-4, edge
+    for name, u, v in zip(names[1:], default[1:], out["ws rcp 8"][1:], strict=True):
+        assert torch.equal(u, v), (edge, "default mode", name)
+    if not low:
+        for a in ("ws", "fused", "recompute"):
+            equal(a, f"{a} rcp")
+    if S * H * K <= 20000:
+        ref = expert_backward_reference(dy.double(), x.double(), layout.gather_ids,
+                                        layout.sorted_probs.double(), layout.offsets,
+                                        wg.double(), wu.double(), wd.double())
+        for i, name in enumerate(names):
+            bar = 1.05 * rel_err(out["fused"][i], ref[i]) + 1e-4
+            for label in ("ws rcp 8", "fused rcp", "recompute rcp"):
+                assert rel_err(out[label][i], ref[i]) <= bar, (edge, label, name)
 
 
 # ---------------------------------------------------------------------------------------

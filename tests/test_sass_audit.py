@@ -119,16 +119,26 @@ def test_compiled_sm90_kernels_have_no_register_a_hazards():
     # over four K = 64 chunks and t as N = 64 over four, both from shared memory; one
     # wgmma kept in flight while the next is issued (7 waits a block: each stage goes back
     # to the loader as soon as its wgmmas retired); no combine (dx comes from the panels).
-    panels = [r for r in shipped if r["kernel"].startswith("expert panels ws")]
-    assert len(panels) == 1, panels
-    r = panels[0]
-    assert r["wgmmas"] == {"HGMMA.64x128x16": 32, "HGMMA.64x64x16": 32}, r
-    assert r["async_waits"] >= 14 and r["hgmma_register_a"] == 0, r
-    assert r["reductions"] == 0 and r["fp32_atomics"] == 0, r
+    # Both variants: the default, and the sigmoid's reciprocal with 8-byte stores.
+    panels = {r["kernel"]: r for r in shipped if r["kernel"].startswith("expert panels ws")}
+    assert len(panels) == 2, panels
+    for r in panels.values():
+        assert r["wgmmas"] == {"HGMMA.64x128x16": 32, "HGMMA.64x64x16": 32}, r
+        assert r["async_waits"] >= 14 and r["hgmma_register_a"] == 0, r
+        assert r["reductions"] == 0 and r["fp32_atomics"] == 0, r
     # Its dg, du and a p panels leave in 16-byte stores (per MMA warpgroup's code, a slice:
-    # 3 panels x 2 row halves x 2 column halves, 12; both warpgroups' code is counted);
+    # 3 panels x 2 row halves x 2 column halves, 12; both warpgroups' code is counted),
+    # or in the variant in 8-byte ones (3 panels x 2 row halves x 4 pairs of groups, 24);
     # only the dprobs rows are 4-byte stores.
-    assert r["stores"] == {"16": 24, "4": 4}, r
+    assert panels["expert panels ws (Gluon)"]["stores"] == {"16": 24, "4": 4}, panels
+    assert panels["expert panels ws (Gluon) rcp, 8-byte stores"]["stores"] == \
+        {"8": 48, "4": 4}, panels
+    # ExpertBackwardConfig.sigmoid_rcp: the sigmoid's reciprocal without the full-range
+    # division's range checks (which the defaults show: the count is not vacuous).
+    for r in shipped:
+        if r["kernel"].startswith(("expert panels ws", "expert dx 128/16/8/3 panels")):
+            rcp = "rcp" in r["kernel"]
+            assert r["rcp"] > 0 and (r["division_range_checks"] == 0) == rcp, r
     # dx from the panels: one N = 256 product a step of 64, in two loops (gate, then up),
     # each keeping a wgmma in flight across its steps; both modes.
     for r in (r for r in shipped if r["kernel"].startswith("panel dx")):

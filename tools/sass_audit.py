@@ -163,6 +163,19 @@ def global_stores(sass: str) -> dict:
     return counts
 
 
+# The full-range fp32 division (div.full.f32) compares its divisor with 2^126 before the
+# reciprocal, to rescale it; rcp.approx.ftz is the reciprocal alone.
+_DIVISION_RANGE_CHECK = re.compile(r"\bFSETP\.[\w.]+\s+P\d+,\s*PT,\s*\|?R\d+\|?,\s*"
+                                   r"8\.50705917302346158658e\+37")
+
+
+def reciprocals(sass: str) -> dict:
+    """{"rcp": MUFU.RCP instructions, "division_range_checks": the full-range division's
+    comparisons with 2^126} in the SASS."""
+    return {"rcp": len(re.findall(r"\bMUFU\.RCP\b", sass)),
+            "division_range_checks": len(_DIVISION_RANGE_CHECK.findall(sass))}
+
+
 def _parse(sass: str) -> list[tuple[int, str]]:
     return [(int(m.group(1), 16), m.group(2)) for m in _INSTR.finditer(sass)]
 
@@ -269,7 +282,8 @@ def audit(progress=None) -> list[dict]:
     the waits that leave wgmma groups in flight (`WARPGROUP.DEPBAR.LE gsb0, N > 0`: none
     where ptxas serialised every wgmma, which it does when registers run short), and its
     global atomic adds (`combine_ops`), its wgmmas by kind and shape (`wgmma_shapes`) and
-    its register stores by width (`global_stores`; JSON keys are strings)."""
+    its register stores by width (`global_stores`; JSON keys are strings) and its
+    reciprocals and full-range divisions (`reciprocals`)."""
     rows = []
     for case in _cases():
         if progress:
@@ -279,7 +293,8 @@ def audit(progress=None) -> list[dict]:
         n_reg_a, hazards = register_a_hazards(sass)
         rows.append({"kernel": case.name, "hgmma_register_a": n_reg_a, "hazards": hazards,
                      "async_waits": async_waits(sass), **combine_ops(sass),
-                     "wgmmas": wgmma_shapes(sass), "stores": global_stores(sass)})
+                     "wgmmas": wgmma_shapes(sass), "stores": global_stores(sass),
+                     **reciprocals(sass)})
     return rows
 
 

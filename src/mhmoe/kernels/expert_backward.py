@@ -81,22 +81,36 @@ __all__ = ["triton_expert_backward"]
 
 
 @triton.jit
-def _swiglu7_backward(g, u, da):
+def _swiglu7_backward(g, u, da, RCP: tl.constexpr, INTERPRET: tl.constexpr):
     """SwiGLU7 at fp32 (g, u) and its input gradients for the upstream da.
 
     Returns a (fp32, before the cast to the weight dtype), dg, du. Clamps
     pass the gradient where the input lies inside the clamp range, bounds
-    included, as torch.clamp does.
+    included, as torch.clamp does. RCP: the sigmoid's reciprocal as
+    `ExpertBackwardConfig.sigmoid_rcp` says; INTERPRET: under the interpreter
+    (the kernels' UPCAST), which has no inline PTX.
     """
     gc = tl.minimum(g, 7.0)
     uc1 = tl.minimum(tl.maximum(u, -7.0), 7.0) + 1.0
     # sigmoid(1.702 g) = 1 / (1 + 2^(-1.702 log2(e) g)): one exp2 and a fast
     # reciprocal on the special-function units (as the forward).
-    sig = tl.fdiv(1.0, 1.0 + tl.exp2(-2.4554669595930157 * gc))
+    y = 1.0 + tl.exp2(-2.4554669595930157 * gc)
+    if RCP:
+        if INTERPRET:
+            sig = tl.where(y > 2.0**126, 0.0, 1.0 / y)  # rcp.approx.ftz's flush to zero
+        else:
+            sig = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [y],
+                                            dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        sig = tl.fdiv(1.0, y)
     silu = gc * sig
     a = silu * uc1
-    dg = tl.where(g <= 7.0, da * uc1 * (sig + 1.702 * silu * (1.0 - sig)), 0.0)
-    du = tl.where((u >= -7.0) & (u <= 7.0), da * silu, 0.0)
+    # Each mask right before its use: computed first, 64 masks would stay live across
+    # the products, more than the predicate registers (ptxas then packs them into bits).
+    dg = da * uc1 * (sig + 1.702 * silu * (1.0 - sig))
+    dg = tl.where(g <= 7.0, dg, 0.0)
+    du = da * silu
+    du = tl.where((u >= -7.0) & (u <= 7.0), du, 0.0)
     return a, dg, du
 
 
@@ -129,7 +143,7 @@ def _expert_dx_kernel(
     BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, EVEN_I: tl.constexpr, DETERMINISTIC: tl.constexpr,
     UPCAST: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
-    PANELS: tl.constexpr, DX: tl.constexpr = True,
+    PANELS: tl.constexpr, DX: tl.constexpr = True, RCP: tl.constexpr = False,
 ):
     """dx rows and dprobs of one tile of routes.
 
@@ -145,6 +159,7 @@ def _expert_dx_kernel(
     rows [t * BLOCK_M, (t + 1) * BLOCK_M), rows past the expert's end as zeros.
     DX=False (with PANELS): no dx (`_panel_dx_kernel` computes it from the panels): the
     program leaves out the dx products, their accumulator and the combine.
+    RCP: `ExpertBackwardConfig.sigmoid_rcp`.
     """
     pid = tl.program_id(0)
     e = tl.load(tile_expert_ptr + pid)
@@ -205,7 +220,7 @@ def _expert_dx_kernel(
         g = tl.dot(x, wg, input_precision=PRECISION)
         u = tl.dot(x, wu, input_precision=PRECISION)
         t = tl.dot(dy, tl.trans(wd), input_precision=PRECISION)
-        a, dg, du = _swiglu7_backward(g, u, t * p[:, None])
+        a, dg, du = _swiglu7_backward(g, u, t * p[:, None], RCP, UPCAST)
         # The forward multiplied the activation rounded to the weight dtype.
         if UPCAST:
             a = round_fp32(a, w_dtype)
@@ -310,7 +325,7 @@ def _dw_rows(
     x_ptr, dy_ptr, H, gather_ids_ptr, probs_ptr, row0, end, head,
     wg, wu, wd_t, acc_g, acc_u, acc_d, w_dtype: tl.constexpr,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, RCP: tl.constexpr,
 ):
     """One row block [row0, row0 + BLOCK_M) of an expert, added to the three
     weight-gradient accumulators of `_expert_dw_kernel`'s I slice."""
@@ -332,7 +347,7 @@ def _dw_rows(
     g = tl.dot(x, wg, input_precision=PRECISION)
     u = tl.dot(x, wu, input_precision=PRECISION)
     t = tl.dot(dy, wd_t, input_precision=PRECISION)
-    a, dg, du = _swiglu7_backward(g, u, t * p[:, None])
+    a, dg, du = _swiglu7_backward(g, u, t * p[:, None], RCP, UPCAST)
     if UPCAST:
         a = round_fp32(a, w_dtype)
     else:
@@ -356,6 +371,7 @@ def _expert_dw_kernel(
     D: tl.constexpr, I: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    RCP: tl.constexpr = False,
 ):
     """Weight gradients of one (flat expert, I slice).
 
@@ -367,6 +383,7 @@ def _expert_dw_kernel(
     All three accumulators are [BLOCK_D, BLOCK_I] (dWd transposed), so every
     weight-gradient dot has M = D rows (wide tensor-core tiles) and reads
     the gathered x or dy tile as a transposed view, without copies.
+    RCP: `ExpertBackwardConfig.sigmoid_rcp`.
     """
     NUM_SLICES: tl.constexpr = (I + BLOCK_I - 1) // BLOCK_I
     pid = tl.program_id(0)
@@ -403,14 +420,14 @@ def _expert_dw_kernel(
             acc_g, acc_u, acc_d = _dw_rows(
                 x_ptr, dy_ptr, H, gather_ids_ptr, probs_ptr, start + b * BLOCK_M, end, head,
                 wg, wu, wd_t, acc_g, acc_u, acc_d, w_dtype,
-                D, BLOCK_M, BLOCK_D, UPCAST, DOT_FP32, PRECISION)
+                D, BLOCK_M, BLOCK_D, UPCAST, DOT_FP32, PRECISION, RCP)
             b += 1
     else:
         for b in range(0, num_blocks):
             acc_g, acc_u, acc_d = _dw_rows(
                 x_ptr, dy_ptr, H, gather_ids_ptr, probs_ptr, start + b * BLOCK_M, end, head,
                 wg, wu, wd_t, acc_g, acc_u, acc_d, w_dtype,
-                D, BLOCK_M, BLOCK_D, UPCAST, DOT_FP32, PRECISION)
+                D, BLOCK_M, BLOCK_D, UPCAST, DOT_FP32, PRECISION, RCP)
 
     if UPCAST:
         acc_g = round_fp32(acc_g, w_dtype)
@@ -604,7 +621,8 @@ def _warn_recompute(per_head_bytes: int) -> None:
 
 
 def _backward_dw(grad_y, x_heads, gather_ids, sorted_probs, offsets, w_gate, w_up, w_down,
-                 d_gate, d_up, d_down, tiles, dot_fp32, precision, interpret) -> None:
+                 d_gate, d_up, d_down, tiles, dot_fp32, precision, interpret,
+                 rcp=False) -> None:
     """The three weight gradients by recomputation: one launch over every (expert, I slice)."""
     _, H, D = x_heads.shape
     F, _, I = w_gate.shape
@@ -616,7 +634,7 @@ def _backward_dw(grad_y, x_heads, gather_ids, sorted_probs, offsets, w_gate, w_u
             wg_ptr=w_gate, wu_ptr=w_up, wd_ptr=w_down,
             dwg_ptr=d_gate, dwu_ptr=d_up, dwd_ptr=d_down, E=F // H,
             D=D, I=I, BLOCK_M=t.block_m, BLOCK_I=t.block_i, BLOCK_D=triton.next_power_of_2(D),
-            UPCAST=interpret, DOT_FP32=dot_fp32, PRECISION=precision,
+            UPCAST=interpret, DOT_FP32=dot_fp32, PRECISION=precision, RCP=rcp,
             num_warps=t.num_warps, num_stages=t.num_stages,
         )
 
@@ -657,12 +675,13 @@ def _panel_dx(views, tile_expert, tile_first, gather_ids, offsets, w_gate, w_up,
 
 def _backward_dx(grad_y, x_heads, gather_ids, sorted_probs, offsets, w_gate, w_up, w_down,
                  dx, dprobs, tiles, deterministic, dot_fp32, precision, interpret,
-                 panels=None, grads=None, panel_dx=None) -> None:
+                 panels=None, grads=None, panel_dx=None, rcp=False, store_bytes=16) -> None:
     """dx and dprobs, in groups of heads whose fp32 workspace fits the forward's limits
     (and with `panels`, at most `panels.heads` heads, each launch followed by the
     weight gradients of its experts from the panels it wrote). With `panels` and
     `panel_dx` (a `PanelDxConfig`), the dx kernel leaves dx out and `_panel_dx_kernel`
-    computes it from the panels."""
+    computes it from the panels. rcp, store_bytes: `ExpertBackwardConfig.sigmoid_rcp`
+    and `.panel_store_bytes`."""
     split = panels is not None and panel_dx is not None
     S, H, D = x_heads.shape
     F, _, I = w_gate.shape
@@ -704,7 +723,7 @@ def _backward_dx(grad_y, x_heads, gather_ids, sorted_probs, offsets, w_gate, w_u
                 D=D, I=I, BLOCK_M=t.block_m, BLOCK_I=t.block_i, BLOCK_D=block_d,
                 EVEN_D=D == block_d, EVEN_I=I % t.block_i == 0, DETERMINISTIC=deterministic,
                 UPCAST=interpret, DOT_FP32=dot_fp32, PRECISION=precision, USE_TMA=use_tma,
-                PANELS=panels is not None, DX=not split, num_warps=t.num_warps,
+                PANELS=panels is not None, DX=not split, RCP=rcp, num_warps=t.num_warps,
                 num_stages=t.num_stages,
             )
             ran.update(views=views, tile_expert=tile_expert, tile_first=tile_first)
@@ -718,7 +737,7 @@ def _backward_dx(grad_y, x_heads, gather_ids, sorted_probs, offsets, w_gate, w_u
             views = panels.views(max_tiles * tiles.block_m)
             ws.launch_panels(x_heads, grad_y, gather_ids, sorted_probs, offsets, w_gate, w_up,
                              w_down, dprobs, views, tile_expert, tile_first, total, E=E,
-                             first_expert=h0 * E)
+                             first_expert=h0 * E, rcp=rcp, store_bytes=store_bytes)
             ran.update(views=views, tile_expert=tile_expert, tile_first=tile_first)
         else:
             tiles = launch_with_step_down(launch, tiles)
@@ -812,10 +831,12 @@ def triton_expert_backward(
             "size the default config recomputes instead")
     if panels is None:
         _backward_dw(grad_y, x_heads, gather_ids, sorted_probs, offsets, w_gate, w_up, w_down,
-                     d_gate, d_up, d_down, config.dw, dot_fp32, precision, interpret)
+                     d_gate, d_up, d_down, config.dw, dot_fp32, precision, interpret,
+                     config.sigmoid_rcp)
     _backward_dx(grad_y, x_heads, gather_ids, sorted_probs, offsets, w_gate, w_up, w_down,
                  dx, dprobs, config.dx, deterministic, dot_fp32, precision, interpret,
-                 panels, (d_gate, d_up, d_down), config.panel_dx)
+                 panels, (d_gate, d_up, d_down), config.panel_dx, config.sigmoid_rcp,
+                 config.panel_store_bytes)
     return dx, dprobs.to(sorted_probs.dtype), d_gate, d_up, d_down
 
 
@@ -853,17 +874,19 @@ def sm90_compile_cases() -> list:
                                 panel_dx=None)
         if b not in rows:
             rows.append(b)
+
+    def dx_case(x, name, **constexprs):
+        return CompileCase(
+            f"expert dx {x.block_m}/{x.block_i}/{x.num_warps}/{x.num_stages}{name}",
+            _expert_dx_kernel, dx_signature(D, x.block_i),
+            dict(D=D, I=I, BLOCK_M=x.block_m, BLOCK_I=x.block_i, BLOCK_D=D, EVEN_D=True,
+                 EVEN_I=I % x.block_i == 0, DETERMINISTIC=False, UPCAST=False,
+                 DOT_FP32=False, PRECISION="tf32", USE_TMA=tma, **constexprs),
+            x.num_warps, x.num_stages)
+
     for b in rows:
         x = b.dx
-        for panels in (True, False):
-            cases.append(CompileCase(
-                f"expert dx {x.block_m}/{x.block_i}/{x.num_warps}/{x.num_stages}"
-                f"{' panels' if panels else ''}",
-                _expert_dx_kernel, dx_signature(D, x.block_i),
-                dict(D=D, I=I, BLOCK_M=x.block_m, BLOCK_I=x.block_i, BLOCK_D=D, EVEN_D=True,
-                     EVEN_I=I % x.block_i == 0, DETERMINISTIC=False, UPCAST=False,
-                     DOT_FP32=False, PRECISION="tf32", USE_TMA=tma, PANELS=panels),
-                x.num_warps, x.num_stages))
+        cases += [dx_case(x, " panels", PANELS=True), dx_case(x, "", PANELS=False)]
         w = b.dw
         cases.append(CompileCase(
             f"expert dW {w.block_m}/{w.block_i}/{w.num_warps}/{w.num_stages}",
@@ -890,14 +913,10 @@ def sm90_compile_cases() -> list:
                 p.num_warps, p.num_stages))
     # dx from the panels (tuning.SM90_SPLIT): the dx kernel without its products, and
     # the panel dx GEMM.
+    # Also with ExpertBackwardConfig.sigmoid_rcp (the inline reciprocal, every kernel's).
     x, pdx = tuning.SM90_SPLIT.dx, tuning.SM90_SPLIT.panel_dx
-    cases.append(CompileCase(
-        f"expert dx {x.block_m}/{x.block_i}/{x.num_warps}/{x.num_stages} panels, no dx",
-        _expert_dx_kernel, dx_signature(D, x.block_i),
-        dict(D=D, I=I, BLOCK_M=x.block_m, BLOCK_I=x.block_i, BLOCK_D=D, EVEN_D=True,
-             EVEN_I=I % x.block_i == 0, DETERMINISTIC=False, UPCAST=False, DOT_FP32=False,
-             PRECISION="tf32", USE_TMA=tma, PANELS=True, DX=False),
-        x.num_warps, x.num_stages))
+    cases += [dx_case(x, f" panels{', rcp' if rcp else ''}, no dx", PANELS=True, DX=False,
+                      RCP=rcp) for rcp in (False, True)]
     for det in (False, True):
         cases.append(CompileCase(
             f"panel dx {x.block_m}/{pdx.block_i}/{pdx.num_warps}/{pdx.num_stages}"

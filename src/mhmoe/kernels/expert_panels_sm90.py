@@ -36,6 +36,8 @@ and t summed by wgmma in ascending K; dprobs is summed per slice of 64, then ove
 slices in order (the Triton kernel's slices are its block_i wide, and its in-slice row
 sums follow its register layout), so dprobs may differ from the Triton kernel's in the
 last bits (each mode is reproducible either way: one owner per output, fixed orders).
+`ExpertBackwardConfig.sigmoid_rcp` changes the sigmoid's reciprocal in both kernels alike;
+`panel_store_bytes` only how the same bf16 values are stored (RCP, STORE_BYTES).
 
 Shapes it takes (`panels_fit`): bf16 x, dy and weights, D = 256, I a multiple of 64,
 sm_90.
@@ -144,18 +146,25 @@ def _t_product(dyh, stages, ready, empty, held, n, t_layout: gl.constexpr,
 
 
 @gluon.jit
-def _swiglu7_backward(g, u, t, p):
+def _swiglu7_backward(g, u, t, p, RCP: gl.constexpr):
     """`expert_backward._swiglu7_backward` on the fp32 (g, u) of a slice, for the
     upstream t * p: (a rounded to bf16 and back, dg, du), the same operations in the
-    same order."""
+    same order (RCP: the reciprocal of `ExpertBackwardConfig.sigmoid_rcp`)."""
     da = t * p[:, None]
     gc = gl.minimum(g, 7.0)
     uc1 = gl.minimum(gl.maximum(u, -7.0), 7.0) + 1.0
-    sig = gl.fdiv(gl.full_like(gc, 1.0), 1.0 + gl.exp2(-2.4554669595930157 * gc))
+    y = 1.0 + gl.exp2(-2.4554669595930157 * gc)
+    if RCP:
+        sig = gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [y],
+                                        dtype=gl.float32, is_pure=True, pack=1)
+    else:
+        sig = gl.fdiv(gl.full_like(gc, 1.0), y)
     silu = gc * sig
     a = silu * uc1
-    dg = gl.where(g <= 7.0, da * uc1 * (sig + 1.702 * silu * (1.0 - sig)), 0.0)
-    du = gl.where((u >= -7.0) & (u <= 7.0), da * silu, 0.0)
+    dg = da * uc1 * (sig + 1.702 * silu * (1.0 - sig))
+    dg = gl.where(g <= 7.0, dg, 0.0)
+    du = da * silu
+    du = gl.where((u >= -7.0) & (u <= 7.0), du, 0.0)
     return a.to(gl.bfloat16).to(gl.float32), dg, du
 
 
@@ -235,13 +244,78 @@ def _store_bf16(ptr32, at3, v, quads: gl.constexpr):
         dtype=gl.int32, is_pure=False, pack=1)
 
 
+# Four 8-byte stores per lane of eight bf16-pair words $1-$8 of one row (w_jj: pair
+# column 4 jj + q on lane q of the quad) by lane pairs: for each pair of groups (2k,
+# 2k + 1), the even lane of a pair keeps group 2k's word and takes its odd neighbour's
+# (pair columns 8k + q, + 1); the odd lane keeps group 2k + 1's and takes the even
+# one's (pair columns 8k + 4 + q - 1, + 1): one select, one shuffle and two selects, no
+# lane arithmetic. $9: the lane's parity (q & 1), $10: the address of its first store
+# (word (q & 2) + 4 (q & 1) of the row's slice); the others follow 32 bytes apart. The
+# value $0 is a dummy. Checked by tests/test_quad_transpose.py's lane-level simulation.
+_PAIR_SWAP_STORE = gl.constexpr("""{
+    .reg .pred %odd;
+    .reg .b32 %s<4>, %r<4>, %lo<4>, %hi<4>;
+    setp.ne.b32 %odd, $9, 0;
+    selp.b32 %s0, $1, $2, %odd;
+    selp.b32 %s1, $3, $4, %odd;
+    selp.b32 %s2, $5, $6, %odd;
+    selp.b32 %s3, $7, $8, %odd;
+    shfl.sync.bfly.b32 %r0, %s0, 1, 31, -1;
+    shfl.sync.bfly.b32 %r1, %s1, 1, 31, -1;
+    shfl.sync.bfly.b32 %r2, %s2, 1, 31, -1;
+    shfl.sync.bfly.b32 %r3, %s3, 1, 31, -1;
+    selp.b32 %lo0, %r0, $1, %odd;
+    selp.b32 %hi0, $2, %r0, %odd;
+    selp.b32 %lo1, %r1, $3, %odd;
+    selp.b32 %hi1, $4, %r1, %odd;
+    selp.b32 %lo2, %r2, $5, %odd;
+    selp.b32 %hi2, $6, %r2, %odd;
+    selp.b32 %lo3, %r3, $7, %odd;
+    selp.b32 %hi3, $8, %r3, %odd;
+    st.global.v2.b32 [$10], {%lo0, %hi0};
+    st.global.v2.b32 [$10+32], {%lo1, %hi1};
+    st.global.v2.b32 [$10+64], {%lo2, %hi2};
+    st.global.v2.b32 [$10+96], {%lo3, %hi3};
+    mov.b32 $0, 0;
+}""")
+
+
+@gluon.jit
+def _store_bf16_pairs(ptr32, odd, v, rows_q: gl.constexpr):
+    """Stores the fp32 [64, 64] v (a t accumulator's layout) rounded to bf16 in 8-byte
+    pieces: ptr32, int32 pointers [64 rows, 4 quad lanes] in `rows_q` to each lane's
+    first word (see _PAIR_SWAP_STORE); odd: the lane's parity, the same shape. Fewer
+    instructions than `_store_bf16`'s transposes (docs/expert-backward.md); each store
+    still fills 32-byte sectors. Rounding as `_store_bf16`."""
+    lo, hi = v.reshape([64, 32, 2]).split()
+    pairs = gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [lo, hi],
+                                      dtype=gl.int32, is_pure=True, pack=1)
+    # Pair column 4 jj + q -> words w_jj of element (row, q); jj = 4 i0 + 2 i1 + i2.
+    w = pairs.reshape([64, 8, 4]).permute((0, 2, 1)).reshape([64, 4, 2, 2, 2])
+    even, odd_jj = w.split()
+    w04, w26 = even.split()
+    w15, w37 = odd_jj.split()
+    w0, w4 = w04.split()
+    w2, w6 = w26.split()
+    w1, w5 = w15.split()
+    w3, w7 = w37.split()
+    gl.inline_asm_elementwise(
+        _PAIR_SWAP_STORE, "=r,r,r,r,r,r,r,r,r,r,l",
+        [gl.convert_layout(w0, rows_q), gl.convert_layout(w1, rows_q),
+         gl.convert_layout(w2, rows_q), gl.convert_layout(w3, rows_q),
+         gl.convert_layout(w4, rows_q), gl.convert_layout(w5, rows_q),
+         gl.convert_layout(w6, rows_q), gl.convert_layout(w7, rows_q), odd, ptr32],
+        dtype=gl.int32, is_pure=False, pack=1)
+
+
 @gluon.jit
 def _mma_partition(W: gl.constexpr, xs, dys, stages, ready, empty, x_ready, x_empty, turn,
                    tile_expert_ptr, tile_first_ptr, offsets_ptr, ntiles_ptr, probs_ptr,
                    dprobs_ptr, dgp_ptr, dup_ptr, app_ptr, first_expert,
-                   D: gl.constexpr, I: gl.constexpr, NSTAGE: gl.constexpr):
+                   D: gl.constexpr, I: gl.constexpr, NSTAGE: gl.constexpr,
+                   RCP: gl.constexpr, STORE_BYTES: gl.constexpr):
     """Rows W*64 .. W*64+63 of every tile of this program: g, u, t, the SwiGLU7
-    backward, dprobs and the dg, du, a p panels."""
+    backward, dprobs and the dg, du, a p panels (RCP, STORE_BYTES: the kernel's)."""
     NI: gl.constexpr = I // 64
     gu_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 16])
@@ -257,6 +331,14 @@ def _mma_partition(W: gl.constexpr, xs, dys, stages, ready, empty, x_ready, x_em
     cols_layout: gl.constexpr = gl.SliceLayout(0, quads)
     quad_cols = (16 * gl.arange(0, 2, layout=gl.SliceLayout(1, cols_layout))[:, None]
                  + 4 * gl.arange(0, 4, layout=gl.SliceLayout(0, cols_layout))[None, :])
+    # [64 rows, 4 quad lanes] (see _store_bf16_pairs), each lane's parity and the word
+    # its first 8-byte store starts at.
+    rows_q: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[8, 0]], lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 4])
+    lane_q = gl.arange(0, 4, layout=gl.SliceLayout(0, rows_q))
+    parity = gl.full([64, 4], 0, gl.int32, rows_q) + (lane_q & 1)[None, :]
+    pair_word = (lane_q & 2) + 4 * (lane_q & 1)
     dgp32 = dgp_ptr.to(gl.pointer_type(gl.int32))
     dup32 = dup_ptr.to(gl.pointer_type(gl.int32))
     app32 = app_ptr.to(gl.pointer_type(gl.int32))
@@ -301,12 +383,18 @@ def _mma_partition(W: gl.constexpr, xs, dys, stages, ready, empty, x_ready, x_em
             g, u = gu.reshape([64, 2, 64]).permute((0, 2, 1)).split()
             g = gl.convert_layout(g, t_layout)
             u = gl.convert_layout(u, t_layout)
-            a, dg, du = _swiglu7_backward(g, u, t, p)
+            a, dg, du = _swiglu7_backward(g, u, t, p, RCP)
             dprob += gl.sum(a * t, axis=1)
-            at = (prow + j * 32)[:, None, None] + quad_cols[None, :, :]
-            _store_bf16(dgp32, at, dg, quads)
-            _store_bf16(dup32, at, du, quads)
-            _store_bf16(app32, at, a * p[:, None], quads)
+            if STORE_BYTES == 8:
+                at = gl.convert_layout((prow + j * 32)[:, None], rows_q) + pair_word[None, :]
+                _store_bf16_pairs(dgp32 + at, parity, dg, rows_q)
+                _store_bf16_pairs(dup32 + at, parity, du, rows_q)
+                _store_bf16_pairs(app32 + at, parity, a * p[:, None], rows_q)
+            else:
+                at = (prow + j * 32)[:, None, None] + quad_cols[None, :, :]
+                _store_bf16(dgp32, at, dg, quads)
+                _store_bf16(dup32, at, du, quads)
+                _store_bf16(app32, at, a * p[:, None], quads)
         gl.store(dprobs_ptr + rows, dprob, mask=row_ok)
         k += 1
 
@@ -323,6 +411,7 @@ def _expert_panels_sm90_kernel(
     E, first_expert,
     D: gl.constexpr, I: gl.constexpr, NSTAGE: gl.constexpr,
     MMA_REGS: gl.constexpr, LOAD_REGS: gl.constexpr,
+    RCP: gl.constexpr = False, STORE_BYTES: gl.constexpr = 16,
 ):
     """dprobs and the panels of the tiles of a head group (see the module docstring).
 
@@ -330,7 +419,8 @@ def _expert_panels_sm90_kernel(
     below ntiles[0]; tile t's rows go to panel rows [128 t, 128 t + 128). 4 warps (the
     default partition is MMA warpgroup 0) plus the workers. NSTAGE: ring stages;
     MMA_REGS, LOAD_REGS: registers a thread of the MMA warpgroups and of the loaders'
-    warpgroup (setmaxnreg).
+    warpgroup (setmaxnreg). RCP, STORE_BYTES: `ExpertBackwardConfig.sigmoid_rcp` and
+    `.panel_store_bytes` (8 or 16).
     """
     xy_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, D], gl.bfloat16)
     xs = gl.allocate_shared_memory(gl.bfloat16, [2, 64, D], xy_layout)
@@ -353,10 +443,12 @@ def _expert_panels_sm90_kernel(
     gl.warp_specialize([
         (_mma_partition, (0, xs, dys, stages, ready, empty, x_ready, x_empty, turn,
                           tile_expert_ptr, tile_first_ptr, offsets_ptr, ntiles_ptr, probs_ptr,
-                          dprobs_ptr, dgp_ptr, dup_ptr, app_ptr, first_expert, D, I, NSTAGE)),
+                          dprobs_ptr, dgp_ptr, dup_ptr, app_ptr, first_expert, D, I, NSTAGE,
+                          RCP, STORE_BYTES)),
         (_mma_partition, (1, xs, dys, stages, ready, empty, x_ready, x_empty, turn,
                           tile_expert_ptr, tile_first_ptr, offsets_ptr, ntiles_ptr, probs_ptr,
-                          dprobs_ptr, dgp_ptr, dup_ptr, app_ptr, first_expert, D, I, NSTAGE)),
+                          dprobs_ptr, dgp_ptr, dup_ptr, app_ptr, first_expert, D, I, NSTAGE,
+                          RCP, STORE_BYTES)),
         # The forward's loader, without clusters (its cluster arguments unused).
         (_w_loader, (wg_desc, wu_desc, wd_desc, stages, ready, empty, empty, tile_expert_ptr,
                      tile_first_ptr, ntiles_ptr, first_expert, 0, D, I, NSTAGE, 1, (0, 0))),
@@ -384,19 +476,21 @@ def panel_descriptors(xp: torch.Tensor, dyp: torch.Tensor):
             TensorDescriptor.from_tensor(dyp, [64, 64], layout))
 
 
-def kernel_options(config: PanelsSm90Config, D: int, I: int) -> dict:
-    """The constexprs of `_expert_panels_sm90_kernel` for these tiles and shapes."""
+def kernel_options(config: PanelsSm90Config, D: int, I: int, rcp: bool = False,
+                   store_bytes: int = 16) -> dict:
+    """The constexprs of `_expert_panels_sm90_kernel` for these tiles and shapes (rcp,
+    store_bytes: `ExpertBackwardConfig.sigmoid_rcp` and `.panel_store_bytes`)."""
     return dict(D=D, I=I, NSTAGE=config.num_stages, MMA_REGS=config.mma_regs,
-                LOAD_REGS=config.load_regs)
+                LOAD_REGS=config.load_regs, RCP=rcp, STORE_BYTES=store_bytes)
 
 
 def launch_panels(x_heads, grad_y, gather_ids, sorted_probs, offsets, w_gate, w_up, w_down,
                   dprobs, views, tile_expert, tile_first, num_tiles, *, E: int,
-                  first_expert: int) -> None:
+                  first_expert: int, rcp: bool = False, store_bytes: int = 16) -> None:
     """One launch for a head group: dprobs of its routes and its panels `views` (x, dy,
     dg, du, a p of `expert_backward._Panels.views`, tiles of 128 rows), over the tile map
     of 128-row tiles (`expert_forward.tile_map` with its total). Persistent: one program
-    an SM, at most one a tile."""
+    an SM, at most one a tile. rcp, store_bytes: `kernel_options`'s."""
     config = panels_sm90_config()
     D, I = w_gate.shape[1], w_gate.shape[2]
     wg_desc, wu_desc, wd_desc = weight_descriptors(w_gate, w_up, w_down, 64)
@@ -407,7 +501,8 @@ def launch_panels(x_heads, grad_y, gather_ids, sorted_probs, offsets, w_gate, w_
         x_heads, grad_y, x_heads.shape[1], gather_ids, sorted_probs, offsets, tile_expert,
         tile_first, num_tiles, wg_desc, wu_desc, wd_desc, dprobs, xp_desc, dyp_desc,
         views[2], views[3], views[4], E, first_expert,
-        **kernel_options(config, D, I), num_warps=config.num_warps, maxnreg=config.maxnreg)
+        **kernel_options(config, D, I, rcp, store_bytes), num_warps=config.num_warps,
+        maxnreg=config.maxnreg)
 
 
 def sm90_compile_cases() -> list:
@@ -434,6 +529,8 @@ def sm90_compile_cases() -> list:
                                                 strict=True)},
            "dgp_ptr": "*bf16", "dup_ptr": "*bf16", "app_ptr": "*bf16", "E": "i32",
            "first_expert": "i32"}
-    return [CompileCase("expert panels ws (Gluon)", _expert_panels_sm90_kernel, sig,
-                        kernel_options(config, D, I), config.num_warps, 1, (),
-                        config.maxnreg)]
+    # The default, and ExpertBackwardConfig.sigmoid_rcp with 8-byte stores.
+    return [CompileCase(f"expert panels ws (Gluon){name}", _expert_panels_sm90_kernel, sig,
+                        kernel_options(config, D, I, rcp, store_bytes), config.num_warps, 1,
+                        (), config.maxnreg)
+            for name, rcp, store_bytes in (("", False, 16), (" rcp, 8-byte stores", True, 8))]

@@ -785,12 +785,25 @@ class ExpertBackwardConfig:
         kernel computes dx itself. dx.warp_specialized (with panel_dx): the Gluon
         panel kernel of `kernels/expert_panels_sm90.py` writes the panels and dprobs
         where the shapes fit it (sm_90, bf16, D = 256, I a multiple of 64).
+    sigmoid_rcp: the SwiGLU7 backward's sigmoid 1 / (1 + e) as one reciprocal on the
+        special-function unit (rcp.approx.ftz, in every backward kernel) instead of the
+        full-range division, which adds a range check and two rescales an element. The
+        two agree bitwise where 1 + e <= 2^126 (g > -51.3); below, the division gives a
+        subnormal sigmoid and the reciprocal zero. The interpreter (CPU) computes the
+        reciprocal's values: 1 / (1 + e), zero where 1 + e > 2^126.
+    panel_store_bytes: how the Gluon panel kernel writes dg, du and a p: 16 (each quad of
+        lanes transposes its words by three shuffles, then 16-byte stores) or 8 (lane
+        pairs swap one word a store by one shuffle, then 8-byte stores, fewer
+        instructions); the values are the same. Only the Gluon kernel reads it.
+    The measurements behind both: docs/expert-backward.md ("The panel kernel's window").
     """
 
     dx: ExpertForwardConfig
     dw: ExpertForwardConfig
     panel: PanelGemmConfig | None = None
     panel_dx: PanelDxConfig | None = None
+    sigmoid_rcp: bool = False
+    panel_store_bytes: int = 16
 
     def __post_init__(self) -> None:
         if self.panel_dx is not None and self.panel is None:
@@ -804,6 +817,9 @@ class ExpertBackwardConfig:
         if self.dx.warp_specialized and self.dx.block_m != 128:
             raise ValueError("ExpertBackwardConfig.dx.warp_specialized: the Gluon panel "
                              f"kernel's tiles are 128 rows (the panels'), got {self.dx.block_m}")
+        if self.panel_store_bytes not in (8, 16):
+            raise ValueError("ExpertBackwardConfig.panel_store_bytes must be 8 or 16, got "
+                             f"{self.panel_store_bytes}")
 
 
 # Mean rows per expert (R / number of flat experts) -> tiles; the first row
