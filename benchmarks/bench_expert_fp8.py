@@ -1,6 +1,7 @@
 """The fp8 expert forward against the bf16 one, side by side, MAGI-2 dims, one GPU.
 
-    PYTHONPATH=src python3 benchmarks/bench_expert_fp8.py [--tokens 1024,32768] [--no-record]
+    PYTHONPATH=src python3 benchmarks/bench_expert_fp8.py [--tokens 1024,32768] [--reciprocals]
+        [--no-record]
 
 For each token count: uniform random routes (top-6 of 256 per head), bf16 Gaussian
 weights and their fp8 quantization (mhmoe.fp8); the bf16 kernel, the fp8 kernel at its
@@ -8,12 +9,15 @@ default tiles and, on sm_90, the fp8 Gluon kernel (kernels/expert_forward_fp8_sm
 timed in interleaved rounds (mhmoe.bench.interleaved), and each fp8 result's relative
 error against the bf16 kernel's and, on the first 64 experts,
 against the float64 twin of the quantized computation. The bf16 8192^3 matmul is
-measured in the same run.
+measured in the same run. --reciprocals: each fp8 kernel also with
+`Fp8ForwardConfig.reciprocals`, in the same rounds (docs/fp8.md, "Reciprocals").
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import sys
 
 import torch
 
@@ -37,6 +41,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="1024,32768")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--reciprocals", action="store_true")
     ap.add_argument("--no-record", action="store_true")
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -59,6 +64,9 @@ def main() -> int:
         modes = {"default": fp8_forward_config(dev, S * K / E)}
         if torch.cuda.get_device_capability(dev) == (9, 0):
             modes["ws"] = Fp8ForwardConfig(128, 64, 4, 1, warp_specialized=True)
+        if args.reciprocals:
+            modes.update({f"{name} rcp": dataclasses.replace(c, reciprocals=True)
+                          for name, c in list(modes.items())})
         variants = [("bf16", lambda x=x, lay=layout: triton_expert_forward(x, *lay, *w))]
         variants += [(name, lambda c=c, x=x, lay=layout:
                       triton_expert_forward_fp8(x, *lay, *fp8_args, config=c))
@@ -91,10 +99,13 @@ def main() -> int:
             else:
                 c = modes[name]
                 variant = f"fp8 {c.block_m}/{c.block_i}/{c.num_warps}/{c.num_stages}"
+            if name != "bf16" and modes[name].reciprocals:
+                variant += " reciprocals"
             rows.append(result_row("experts_fwd", variant,
                                    S, ms, env=env, tflops=flops / ms / 1e9,
                                    command="PYTHONPATH=src python3 "
-                                           "benchmarks/bench_expert_fp8.py", **extra))
+                                           "benchmarks/bench_expert_fp8.py "
+                                           + " ".join(sys.argv[1:]), **extra))
     if not args.no_record:
         print(f"rows appended to {append_results(rows)}")
     return 0

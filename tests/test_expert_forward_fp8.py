@@ -19,6 +19,7 @@ from mhmoe.fp8 import (
     quantize_weights,
 )
 from mhmoe.kernels import expert_forward_fp8 as k8
+from mhmoe.kernels.expert_forward import swiglu7_tile
 from mhmoe.kernels.tuning import Fp8ForwardConfig
 from mhmoe.reference import expert_forward_reference, sort_routes_reference
 
@@ -75,6 +76,49 @@ def test_kernel_equals_its_float64_twin(mode, S, H, E, K, D, I, edge):
         # the kernel's result is rounded to bf16 (2^-9 relative) and its fp32
         # accumulators may move a quantized activation by one e4m3 step now and then
         assert rel_err(y, twin) < 4e-3, (mode, edge, deterministic)
+
+
+@pytest.mark.parametrize("mode", sorted(CONFIGS))
+def test_reciprocals_keep_the_results(mode):
+    # Fp8ForwardConfig.reciprocals: the interpreter divides the scales either way and its
+    # sigmoid reciprocal equals the division wherever 1 + e <= 2^126 (every g here), so
+    # the output is bitwise the default's, as on the GPU (where test_gpu.py checks the
+    # inline reciprocals themselves).
+    import dataclasses
+
+    x, layout, w = problem(40, 2, 4, 2, 32, 128, seed=5)
+    q = quantize_weights(*w)
+    rcp = dataclasses.replace(CONFIGS[mode], reciprocals=True)
+    for deterministic in (False, True):
+        assert torch.equal(run(x, layout, q, rcp, deterministic),
+                           run(x, layout, q, CONFIGS[mode], deterministic))
+
+
+@triton.jit
+def _swiglu7_kernel(g_ptr, u_ptr, out_ptr, N: tl.constexpr, RCP: tl.constexpr):
+    n = tl.arange(0, N)
+    a = swiglu7_tile(tl.load(g_ptr + n), tl.load(u_ptr + n), RCP, True)
+    tl.store(out_ptr + n, a)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp2")  # g = -60: 1 + e = inf
+def test_swiglu7_reciprocal_flushes_where_the_division_gives_a_subnormal():
+    # swiglu7_tile with RCP (the fp8 kernels' reciprocals), as the interpreter emulates
+    # rcp.approx.ftz: 1 + e in (2^126, 2^128) (g = -51.75: 2^127.07) has a subnormal
+    # reciprocal, which the division keeps (g / y ~ -3e-37) and the reciprocal flushes
+    # (g * 0 = -0); elsewhere the two agree bitwise.
+    g = torch.tensor([-51.75, -60.0, -10.0, -1.0, 0.0, 0.5, 3.0, 9.0])
+    u = torch.tensor([0.5, 0.5, -9.0, 2.0, 1.0, 8.0, -0.25, 0.0])
+    out = {rcp: torch.empty(8) for rcp in (False, True)}
+    for rcp, o in out.items():
+        _swiglu7_kernel[(1,)](g, u, o, N=8, RCP=rcp)
+    assert out[False][0] != 0 and abs(out[False][0]) < 1e-30
+    assert out[True][0] == 0 and torch.signbit(out[True][0])
+    assert torch.equal(out[True][1:], out[False][1:])
+    # against float64: min(g, 7) sigmoid(1.702 min(g, 7)) (clamp(u, -7, 7) + 1)
+    gc = g.double().clamp(max=7.0)
+    ref = gc * torch.sigmoid(1.702 * gc) * (u.double().clamp(-7.0, 7.0) + 1.0)
+    assert torch.allclose(out[True].double(), ref, rtol=1e-6, atol=1e-30)
 
 
 def test_fp8_error_budget_against_the_bf16_layer():

@@ -795,6 +795,40 @@ def test_gluon_fp8_kernel_equals_the_triton_fp8_kernel(S, H, E, K, I, edge, grou
     assert torch.equal(ws_det[0], tri), (edge, rel_err(ws_det[0], tri))
 
 
+@pytest.mark.parametrize("S,H,E,K,I,edge", [
+    (1100, 2, 8, 4, 128, "last tiles of 64 rows or fewer"),
+    (4096, 12, 256, 6, 1280, "MAGI-2, 96 routes an expert"),
+])
+def test_fp8_reciprocals_give_the_divisions_results(S, H, E, K, I, edge, monkeypatch):
+    # Fp8ForwardConfig.reciprocals (docs/fp8.md, "Reciprocals"): the divisions as
+    # products with rcp.approx.ftz, which the full-range division computes for divisors
+    # in [2^-126, 2^126] (every row scale; the sigmoid's 1 + e for every g above -51.3,
+    # all of Gaussian data): the same outputs bitwise, in the Gluon kernel and in the
+    # Triton one, in both modes.
+    import dataclasses
+
+    import mhmoe.kernels.tuning as tuning
+    from mhmoe.fp8 import quantize_weights
+    from mhmoe.kernels.expert_forward_fp8 import triton_expert_forward_fp8
+
+    x, w, probs, scores, _ = gluon_case(S, H, E, K, I, edge, None, monkeypatch)
+    q = quantize_weights(*w)
+    k_major = (q.w_gate.transpose(1, 2), q.w_up.transpose(1, 2), q.w_down.transpose(1, 2),
+               q.gate_scale, q.up_scale, q.down_scale)
+    layout = mhmoe.sort_routes(probs, scores.topk(K, dim=-1).indices, E)
+    for cfg in (tuning.Fp8ForwardConfig(128, 64, 4, 1, warp_specialized=True),
+                tuning.Fp8ForwardConfig(64, 64, 4, 3)):
+        for det in (True, False):
+            want = triton_expert_forward_fp8(x, *layout, *k_major, deterministic=det,
+                                             config=cfg)
+            got = triton_expert_forward_fp8(x, *layout, *k_major, deterministic=det,
+                                            config=dataclasses.replace(cfg, reciprocals=True))
+            if det:
+                assert torch.equal(got, want), (edge, cfg, rel_err(got, want))
+            else:  # atomic adds in any order
+                assert rel_err(got, want) < 1e-4, (edge, cfg)
+
+
 def test_fp8_magi2_layer_against_the_float64_bf16_layer(magi2_layer, magi2_fp8_layer):
     # The budget (docs/contract.md section 10, docs/fp8.md): relative error <= 6.5e-2 and
     # cosine >= 0.998 against the float64 evaluation of the bf16 layer it was quantized

@@ -109,7 +109,7 @@ def test_compiled_sm90_kernels_have_no_register_a_hazards():
     # last block), the same waits in flight in both modes, and the combine as the bf16
     # kernel's.
     fp8_ws = [r for r in shipped if r["kernel"].startswith("expert forward fp8 ws")]
-    assert len(fp8_ws) == 2, fp8_ws
+    assert len(fp8_ws) == 3, fp8_ws  # both modes, and the default one with reciprocals
     for r in fp8_ws:
         assert r["wgmmas"] == {"QGMMA.64x128x32": 32, "QGMMA.64x256x32": 8}, r
         assert r["async_waits"] >= 6, r
@@ -139,6 +139,14 @@ def test_compiled_sm90_kernels_have_no_register_a_hazards():
         if r["kernel"].startswith(("expert panels ws", "expert dx 128/16/8/3 panels")):
             rcp = "rcp" in r["kernel"]
             assert r["rcp"] > 0 and (r["division_range_checks"] == 0) == rcp, r
+    # Fp8ForwardConfig.reciprocals: no division with its range checks left in the loop's
+    # quantization and sigmoid: the Triton kernel keeps none, the Gluon one the per-row
+    # s_prev / s_a of its rescale (8, as compiled), where the default has 168.
+    fp8 = {r["kernel"]: r for r in shipped if r["kernel"].startswith("expert forward fp8")}
+    assert fp8["expert forward fp8 64/64/4/3 reciprocals"]["division_range_checks"] == 0, fp8
+    assert fp8["expert forward fp8 64/64/4/3"]["division_range_checks"] > 0, fp8
+    gluon, gluon_rcp = (fp8[f"expert forward fp8 ws (Gluon){s}"] for s in ("", " reciprocals"))
+    assert gluon_rcp["division_range_checks"] <= 8 < gluon["division_range_checks"], fp8
     # dx from the panels: one N = 256 product a step of 64, in two loops (gate, then up),
     # each keeping a wgmma in flight across its steps; both modes.
     for r in (r for r in shipped if r["kernel"].startswith("panel dx")):

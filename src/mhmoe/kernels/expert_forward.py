@@ -65,18 +65,35 @@ def round_fp32(v, dtype: tl.constexpr):
 
 
 @triton.jit
-def swiglu7_tile(g, u):
+def swiglu7_tile(g, u, RCP: tl.constexpr = False, INTERPRET: tl.constexpr = False):
     """SwiGLU7 of fp32 gate and up accumulators (any matching tile shapes), in fp32:
     min(g, 7) * sigmoid(1.702 min(g, 7)) * (clamp(u, -7, 7) + 1). Shared by the bf16
     and fp8 forward kernels.
 
     The sigmoid is g / (1 + 2^(-1.702 log2(e) g)) with the fast (2 ulp) division: one
     exp2 and one reciprocal on the special-function units, which otherwise bound the
-    kernels' loops. Far below the bf16 (or e4m3) rounding of the result.
+    kernels' loops. Far below the bf16 (or e4m3) rounding of the result. RCP: g times
+    rcp.approx.ftz(1 + e) instead (`Fp8ForwardConfig.reciprocals`); INTERPRET: under
+    the interpreter, which has no inline PTX and emulates it.
     """
     g = tl.minimum(g, 7.0)
     u = tl.minimum(tl.maximum(u, -7.0), 7.0)
-    return tl.fdiv(g, 1.0 + tl.exp2(-2.4554669595930157 * g)) * (u + 1.0)
+    y = 1.0 + tl.exp2(-2.4554669595930157 * g)
+    if RCP:
+        if INTERPRET:
+            silu = tl.where(y > 2.0**126, g * 0.0, g / y)  # rcp.approx.ftz's flush to zero
+        else:
+            silu = g * rcp_approx(y)
+    else:
+        silu = tl.fdiv(g, y)
+    return silu * (u + 1.0)
+
+
+@triton.jit
+def rcp_approx(y):
+    """rcp.approx.ftz.f32 of fp32 y: MUFU.RCP alone (GPU only: inline PTX)."""
+    return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [y],
+                                     dtype=tl.float32, is_pure=True, pack=1)
 
 
 @triton.jit

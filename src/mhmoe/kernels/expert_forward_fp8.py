@@ -38,7 +38,14 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import tuning
-from .expert_forward import HeadGroups, combine_rows, swiglu7_tile, tile_map, tile_rows
+from .expert_forward import (
+    HeadGroups,
+    combine_rows,
+    rcp_approx,
+    swiglu7_tile,
+    tile_map,
+    tile_rows,
+)
 from .tuning import interpreting
 
 # The largest finite e4m3 value, and the amax below which a row quantizes as if its
@@ -76,6 +83,17 @@ def _row_scale(v):
 
 
 @triton.jit
+def _over_rows(v, s, RCP: tl.constexpr, INTERPRET: tl.constexpr):
+    """v / s[:, None] for per-row scales s (`_row_scale`'s, within [2^-126, 2^126]): with
+    RCP (`Fp8ForwardConfig.reciprocals`) on the GPU as v times s's rcp.approx.ftz, which
+    is what the full-range division computes there, bitwise, without its checks."""
+    if RCP and not INTERPRET:
+        return v * rcp_approx(s)[:, None]
+    else:
+        return v / s[:, None]
+
+
+@triton.jit
 def _expert_forward_fp8_kernel(
     x_ptr, stride_xs, stride_xh,  # x_heads [S, H, D] bf16; unit stride along D
     gather_ids_ptr, probs_ptr, offsets_ptr,  # the RouteLayout: [R], [R], [H*E + 1]
@@ -85,7 +103,7 @@ def _expert_forward_fp8_kernel(
     out_ptr, slot_ptr,  # default: fp32 [S, G, D]; deterministic: fp32 [G*S*K, D], slots [R]
     E, first_expert, num_experts, first_head, group_heads, slot_base,
     D: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
-    DETERMINISTIC: tl.constexpr, INTERPRET: tl.constexpr,
+    DETERMINISTIC: tl.constexpr, INTERPRET: tl.constexpr, RCP: tl.constexpr = False,
 ):
     """Expert MLPs of one tile of routes, fp8 weights.
 
@@ -93,6 +111,7 @@ def _expert_forward_fp8_kernel(
     rows [offsets[f] + b * BLOCK_M, ...) of expert f (tile_expert[t], tile_first[f]);
     programs past the last tile return at once. D is a power of two >= 16 and BLOCK_I
     divides I (the launcher checks), so no load is masked but the rows'.
+    RCP: `Fp8ForwardConfig.reciprocals`.
     """
     pid = tl.program_id(0)
     e = tl.load(tile_expert_ptr + pid)
@@ -105,7 +124,7 @@ def _expert_forward_fp8_kernel(
     x = tl.load(x_ptr + tokens[:, None] * stride_xs + head * stride_xh + d[None, :],
                 mask=row_ok[:, None], other=0.0).to(tl.float32)
     s_x = _row_scale(x)
-    xq = _to_e4m3(x / s_x[:, None], INTERPRET)
+    xq = _to_e4m3(_over_rows(x, s_x, RCP, INTERPRET), INTERPRET)
     s_prev = tl.full([BLOCK_M], 1.0, tl.float32)
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     f32 = f.to(tl.int32)
@@ -117,9 +136,9 @@ def _expert_forward_fp8_kernel(
         su = tl.load(su_ptr + f * I + i0 + i)
         g = tl.dot(xq, tl.trans(wg)) * s_x[:, None] * sg[None, :]
         u = tl.dot(xq, tl.trans(wu)) * s_x[:, None] * su[None, :]
-        a = swiglu7_tile(g, u)
+        a = swiglu7_tile(g, u, RCP, INTERPRET)
         s_a = _row_scale(a)
-        aq = _to_e4m3(a / s_a[:, None], INTERPRET)
+        aq = _to_e4m3(_over_rows(a, s_a, RCP, INTERPRET), INTERPRET)
         acc = acc * (s_prev / s_a)[:, None]
         acc = tl.dot(aq, tl.trans(wd), acc)
         s_prev = s_a
@@ -205,7 +224,8 @@ def triton_expert_forward_fp8(
             ws.launch_fp8_ws(x_heads, gather_ids, sorted_probs, offsets, descs, down_scale,
                              out, groups.slots, tile_expert, tile_first, total, config=sm90,
                              E=E, first_expert=h0 * E, first_head=h0, group_heads=g,
-                             slot_base=h0 * S * groups.K, I=I, deterministic=deterministic)
+                             slot_base=h0 * S * groups.K, I=I, deterministic=deterministic,
+                             reciprocals=config.reciprocals)
             groups.finish(h0, g, out, interpret)
         return y
     bi = config.block_i
@@ -221,7 +241,7 @@ def triton_expert_forward_fp8(
             gate_scale, up_scale, down_scale, out, groups.slots,
             E, h0 * E, g * E, h0, g, h0 * S * groups.K,
             D=D, I=I, BLOCK_M=config.block_m, BLOCK_I=bi, DETERMINISTIC=deterministic,
-            INTERPRET=interpret,
+            INTERPRET=interpret, RCP=config.reciprocals,
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
         groups.finish(h0, g, out, interpret)
@@ -230,29 +250,31 @@ def triton_expert_forward_fp8(
 
 def sm90_compile_cases() -> list:
     """This kernel at every sm_90 default tile of `tuning.FP8_FORWARD_SM90`, default and
-    deterministic (`mhmoe.kernels.CompileCase`; MAGI-2's dims)."""
+    deterministic, and at the first with `Fp8ForwardConfig.reciprocals`
+    (`mhmoe.kernels.CompileCase`; MAGI-2's dims)."""
     from ..config import MAGI2_PREVIEW as M
     from . import CompileCase
 
     D, I = M.head_dim, M.expert_intermediate_size
     cases = []
-    for _, c in tuning.FP8_FORWARD_SM90:
-        for det in (False, True):
-            cases.append(CompileCase(
-                f"expert forward fp8 {c.block_m}/{c.block_i}/{c.num_warps}/{c.num_stages}"
-                f"{' deterministic' if det else ''}",
-                _expert_forward_fp8_kernel,
-                {"x_ptr": "*bf16", "stride_xs": "i32", "stride_xh": "i32",
-                 "gather_ids_ptr": "*i32", "probs_ptr": "*fp32", "offsets_ptr": "*i64",
-                 "tile_expert_ptr": "*i32", "tile_first_ptr": "*i32",
-                 "wg_desc": f"tensordesc<fp8e4nv[1, {c.block_i}, {D}]>",
-                 "wu_desc": f"tensordesc<fp8e4nv[1, {c.block_i}, {D}]>",
-                 "wd_desc": f"tensordesc<fp8e4nv[1, {D}, {c.block_i}]>",
-                 "sg_ptr": "*fp32", "su_ptr": "*fp32", "sd_ptr": "*fp32",
-                 "out_ptr": "*fp32", "slot_ptr": "*i32", "E": "i32", "first_expert": "i32",
-                 "num_experts": "i32", "first_head": "i32", "group_heads": "i32",
-                 "slot_base": "i32"},
-                dict(D=D, I=I, BLOCK_M=c.block_m, BLOCK_I=c.block_i, DETERMINISTIC=det,
-                     INTERPRET=False),
-                c.num_warps, c.num_stages, ("stride_xs", "stride_xh")))
+    first = tuning.FP8_FORWARD_SM90[0][1]
+    runs = [(c, det, False) for _, c in tuning.FP8_FORWARD_SM90 for det in (False, True)]
+    for c, det, rcp in [*runs, (first, False, True)]:
+        cases.append(CompileCase(
+            f"expert forward fp8 {c.block_m}/{c.block_i}/{c.num_warps}/{c.num_stages}"
+            f"{' deterministic' if det else ''}{' reciprocals' if rcp else ''}",
+            _expert_forward_fp8_kernel,
+            {"x_ptr": "*bf16", "stride_xs": "i32", "stride_xh": "i32",
+             "gather_ids_ptr": "*i32", "probs_ptr": "*fp32", "offsets_ptr": "*i64",
+             "tile_expert_ptr": "*i32", "tile_first_ptr": "*i32",
+             "wg_desc": f"tensordesc<fp8e4nv[1, {c.block_i}, {D}]>",
+             "wu_desc": f"tensordesc<fp8e4nv[1, {c.block_i}, {D}]>",
+             "wd_desc": f"tensordesc<fp8e4nv[1, {D}, {c.block_i}]>",
+             "sg_ptr": "*fp32", "su_ptr": "*fp32", "sd_ptr": "*fp32",
+             "out_ptr": "*fp32", "slot_ptr": "*i32", "E": "i32", "first_expert": "i32",
+             "num_experts": "i32", "first_head": "i32", "group_heads": "i32",
+             "slot_base": "i32"},
+            dict(D=D, I=I, BLOCK_M=c.block_m, BLOCK_I=c.block_i, DETERMINISTIC=det,
+                 INTERPRET=False, RCP=rcp),
+            c.num_warps, c.num_stages, ("stride_xs", "stride_xh")))
     return cases

@@ -62,6 +62,7 @@ from .expert_forward_sm90 import (
     _combine_half,
     _half_rows,
     _idle,
+    _rcp_approx,
     _release,
     _swiglu7_fp32,
     _tile_rows0,
@@ -124,13 +125,22 @@ def _w_loader(wg_desc, wu_desc, wd_desc, sg_desc, su_desc, stages, scales, ready
 
 
 @gluon.jit
-def _quantize_x(xs, xq, g_layout: gl.constexpr):
+def _over_rows(v, s, RCP: gl.constexpr):
+    """`expert_forward_fp8._over_rows` in Gluon (v / s[:, None])."""
+    if RCP:
+        return v * _rcp_approx(s)[:, None]
+    else:
+        return v / s[:, None]
+
+
+@gluon.jit
+def _quantize_x(xs, xq, g_layout: gl.constexpr, RCP: gl.constexpr):
     """The warpgroup's 64 bf16 x rows (xs) as e4m3 in xq, each row scaled by its own
     s_x = max(amax, floor) / 448; returns s_x (rows of g_layout)."""
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
     x = xs.load(layout).to(gl.float32)
     s_x = gl.maximum(gl.max(gl.abs(x), axis=1), _AMAX_FLOOR) / _FP8_MAX
-    xq.store((x / s_x[:, None]).to(gl.float8e4nv))
+    xq.store(_over_rows(x, s_x, RCP).to(gl.float8e4nv))
     # Generic-proxy stores, read next by wgmma (the async proxy).
     fence_async_shared()
     return gl.convert_layout(s_x, gl.SliceLayout(1, g_layout))
@@ -170,7 +180,7 @@ def _down(aq, stages, ready, n, acc, NSTAGE: gl.constexpr):
 
 @gluon.jit
 def _activation(gu, s_x, scales, empty, held, aq, acc, s_prev, NSTAGE: gl.constexpr,
-                g_layout: gl.constexpr):
+                g_layout: gl.constexpr, RCP: gl.constexpr):
     """The slice's SwiGLU7 output from the gate|up accumulator, quantized per row into aq
     (shared memory, the A operand of the next down wgmma), with the gate and up channel
     scales from the slot of stage `held`, which is then released; the down accumulator
@@ -181,9 +191,9 @@ def _activation(gu, s_x, scales, empty, held, aq, acc, s_prev, NSTAGE: gl.conste
     slot = held % NSTAGE
     sg = scales.index(2 * slot).load(g_layout)  # [1, 64]
     su = scales.index(2 * slot + 1).load(g_layout)
-    a = _swiglu7_fp32(g * s_x[:, None] * sg, u * s_x[:, None] * su)
+    a = _swiglu7_fp32(g * s_x[:, None] * sg, u * s_x[:, None] * su, RCP)
     s_a = gl.maximum(gl.max(gl.abs(a), axis=1), _AMAX_FLOOR) / _FP8_MAX
-    aq.store((a / s_a[:, None]).to(gl.float8e4nv))
+    aq.store(_over_rows(a, s_a, RCP).to(gl.float8e4nv))
     fence_async_shared()
     _release(empty, held, NSTAGE)
     s_a = gl.convert_layout(s_a, s_prev.type.layout)
@@ -195,9 +205,10 @@ def _mma_partition(W: gl.constexpr, xs, xq, aqs, stages, scales, ready, empty, x
                    turn, tile_expert_ptr, tile_first_ptr, offsets_ptr, ntiles_ptr,
                    gather_ids_ptr, probs_ptr, sd_ptr, out_ptr, slot_ptr, E, first_expert,
                    first_head, group_heads, slot_base, D: gl.constexpr, I: gl.constexpr,
-                   NSTAGE: gl.constexpr, DETERMINISTIC: gl.constexpr):
+                   NSTAGE: gl.constexpr, DETERMINISTIC: gl.constexpr, RCP: gl.constexpr):
     """Rows W*64 .. W*64+63 of every tile of this program: the fp8 MLP of each route,
-    scaled by its probability, combined as `expert_forward.combine_rows`."""
+    scaled by its probability, combined as `expert_forward.combine_rows` (RCP: the
+    kernel's)."""
     NI: gl.constexpr = I // 64
     NC: gl.constexpr = D // 128
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -219,7 +230,7 @@ def _mma_partition(W: gl.constexpr, xs, xq, aqs, stages, scales, ready, empty, x
         f, row0, end = _tile_rows0(t, tile_expert_ptr, tile_first_ptr, offsets_ptr,
                                    first_expert)
         mbarrier.wait(x_ready.index(W), k & 1)
-        s_x = _quantize_x(xh, xqh, g_layout)
+        s_x = _quantize_x(xh, xqh, g_layout, RCP)
         s_prev = gl.full([64], 1.0, gl.float32, rows_layout)
         acc = gl.zeros([64, 256], gl.float32, acc_layout)
 
@@ -234,7 +245,7 @@ def _mma_partition(W: gl.constexpr, xs, xq, aqs, stages, scales, ready, empty, x
         # Every thread of the warpgroup read its bf16 half before the wgmmas above.
         mbarrier.arrive(x_empty.index(W), count=1)
         acc, s_prev = _activation(gu, s_x, scales, empty, held, aq, acc, s_prev, NSTAGE,
-                                  g_layout)
+                                  g_layout, RCP)
         blk += 1
 
         for _j in range(1, NI):
@@ -250,7 +261,7 @@ def _mma_partition(W: gl.constexpr, xs, xq, aqs, stages, scales, ready, empty, x
             mbarrier.arrive(turn.index(1 - W), count=1)
             gu, acc = warpgroup_mma_wait(num_outstanding=0, deps=(gu, acc))
             acc, s_prev = _activation(gu, s_x, scales, empty, held, aq, acc, s_prev, NSTAGE,
-                                      g_layout)
+                                      g_layout, RCP)
             blk += 1
 
         # The last block: the down product of the last slice.
@@ -282,14 +293,15 @@ def _expert_forward_fp8_sm90_kernel(
     out_ptr, slot_ptr,  # default: fp32 [S, G, D]; deterministic: fp32 [G*S*K, D], slots [R]
     E, first_expert, first_head, group_heads, slot_base,
     D: gl.constexpr, I: gl.constexpr, NSTAGE: gl.constexpr, DETERMINISTIC: gl.constexpr,
-    MMA_REGS: gl.constexpr, LOAD_REGS: gl.constexpr,
+    MMA_REGS: gl.constexpr, LOAD_REGS: gl.constexpr, RCP: gl.constexpr = False,
 ):
     """Expert MLPs of the tiles of a head group, fp8 weights (see the module docstring).
 
     Launch grid: (programs,), persistent: program p takes tiles p, p + programs, ...
     below ntiles[0]. 4 warps (the default partition is MMA warpgroup 0) plus the
     workers. NSTAGE: stages of the weight ring; MMA_REGS, LOAD_REGS: registers a thread
-    of the MMA warpgroups and of the loaders' warpgroup (setmaxnreg).
+    of the MMA warpgroups and of the loaders' warpgroup (setmaxnreg). RCP:
+    `Fp8ForwardConfig.reciprocals`.
     """
     xs = gl.allocate_shared_memory(gl.bfloat16, [2, 64, D],
                                    gl.NVMMASharedLayout.get_default_for([64, D], gl.bfloat16))
@@ -321,12 +333,12 @@ def _expert_forward_fp8_sm90_kernel(
                           tile_expert_ptr, tile_first_ptr, offsets_ptr, ntiles_ptr,
                           gather_ids_ptr, probs_ptr, sd_ptr, out_ptr, slot_ptr, E,
                           first_expert, first_head, group_heads, slot_base, D, I, NSTAGE,
-                          DETERMINISTIC)),
+                          DETERMINISTIC, RCP)),
         (_mma_partition, (1, xs, xq, aqs, stages, scales, ready, empty, x_ready, x_empty, turn,
                           tile_expert_ptr, tile_first_ptr, offsets_ptr, ntiles_ptr,
                           gather_ids_ptr, probs_ptr, sd_ptr, out_ptr, slot_ptr, E,
                           first_expert, first_head, group_heads, slot_base, D, I, NSTAGE,
-                          DETERMINISTIC)),
+                          DETERMINISTIC, RCP)),
         (_w_loader, (wg_desc, wu_desc, wd_desc, sg_desc, su_desc, stages, scales, ready, empty,
                      tile_expert_ptr, ntiles_ptr, first_expert, D, I, NSTAGE)),
         (_x_loader, (x_ptr, stride_xs, stride_xh, gather_ids_ptr, xs, x_ready, x_empty,
@@ -365,16 +377,18 @@ def descriptors(wg_t: torch.Tensor, wu_t: torch.Tensor, wd_t: torch.Tensor,
             TensorDescriptor.from_tensor(up_scale.view(F * I // 64, 64), [1, 64], scale))
 
 
-def kernel_options(config: Fp8ForwardSm90Config, D: int, I: int, deterministic: bool) -> dict:
-    """The constexprs of `_expert_forward_fp8_sm90_kernel` for these tiles and shapes."""
+def kernel_options(config: Fp8ForwardSm90Config, D: int, I: int, deterministic: bool,
+                   reciprocals: bool = False) -> dict:
+    """The constexprs of `_expert_forward_fp8_sm90_kernel` for these tiles and shapes
+    (reciprocals: `Fp8ForwardConfig.reciprocals`)."""
     return dict(D=D, I=I, NSTAGE=config.num_stages, DETERMINISTIC=deterministic,
-                MMA_REGS=config.mma_regs, LOAD_REGS=config.load_regs)
+                MMA_REGS=config.mma_regs, LOAD_REGS=config.load_regs, RCP=reciprocals)
 
 
 def launch_fp8_ws(x_heads, gather_ids, sorted_probs, offsets, descs, down_scale, out, slots,
                   tile_expert, tile_first, num_tiles, *, config: Fp8ForwardSm90Config, E: int,
                   first_expert: int, first_head: int, group_heads: int, slot_base: int,
-                  I: int, deterministic: bool) -> None:
+                  I: int, deterministic: bool, reciprocals: bool = False) -> None:
     """One launch of `_expert_forward_fp8_sm90_kernel` for a head group (the launcher of
     expert_forward_fp8.py prepares the tile map of config.block_m rows, `descriptors` and
     `out`). Persistent: one program an SM."""
@@ -384,11 +398,12 @@ def launch_fp8_ws(x_heads, gather_ids, sorted_probs, offsets, descs, down_scale,
         x_heads, x_heads.stride(0), x_heads.stride(1), gather_ids, sorted_probs, offsets,
         tile_expert, tile_first, num_tiles, *descs, down_scale, out, slots, E, first_expert,
         first_head, group_heads, slot_base,
-        **kernel_options(config, x_heads.shape[2], I, deterministic),
+        **kernel_options(config, x_heads.shape[2], I, deterministic, reciprocals),
         num_warps=config.num_warps, maxnreg=config.maxnreg)
 
 
-def sm90_signature(config: Fp8ForwardSm90Config, D: int, I: int, deterministic: bool):
+def sm90_signature(config: Fp8ForwardSm90Config, D: int, I: int, deterministic: bool,
+                   reciprocals: bool = False):
     """(signature, constexprs) of `_expert_forward_fp8_sm90_kernel` as `launch_fp8_ws`
     calls it, for compiling it without a GPU (tools/sass_audit.py)."""
     from triton.runtime.jit import mangle_type
@@ -404,22 +419,23 @@ def sm90_signature(config: Fp8ForwardSm90Config, D: int, I: int, deterministic: 
            "sd_ptr": "*fp32", "out_ptr": "*fp32", "slot_ptr": "*i64", "E": "i32",
            "first_expert": "i32", "first_head": "i32", "group_heads": "i32",
            "slot_base": "i32"}
-    return sig, kernel_options(config, D, I, deterministic)
+    return sig, kernel_options(config, D, I, deterministic, reciprocals)
 
 
 def sm90_compile_cases() -> list:
-    """This kernel in both modes, as the launcher compiles it (`mhmoe.kernels.CompileCase`;
-    MAGI-2's dims)."""
+    """This kernel in both modes, and with `Fp8ForwardConfig.reciprocals`, as the launcher
+    compiles it (`mhmoe.kernels.CompileCase`; MAGI-2's dims)."""
     from ..config import MAGI2_PREVIEW as M
     from . import CompileCase
 
     config = fp8_forward_sm90_config()
     D, I = M.head_dim, M.expert_intermediate_size
     cases = []
-    for det in (False, True):
-        sig, cx = sm90_signature(config, D, I, det)
+    for det, rcp in ((False, False), (True, False), (False, True)):
+        sig, cx = sm90_signature(config, D, I, det, rcp)
         cases.append(CompileCase(
-            f"expert forward fp8 ws (Gluon){' deterministic' if det else ''}",
+            f"expert forward fp8 ws (Gluon){' deterministic' if det else ''}"
+            f"{' reciprocals' if rcp else ''}",
             _expert_forward_fp8_sm90_kernel, sig, cx, config.num_warps, 1,
             ("stride_xs", "stride_xh"), config.maxnreg))
     return cases

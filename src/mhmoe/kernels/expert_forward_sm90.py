@@ -326,12 +326,25 @@ def _gate_up_rest(xh, stages, ready, empty, gu, n, D: gl.constexpr, NSTAGE: gl.c
 
 
 @gluon.jit
-def _swiglu7_fp32(g, u):
+def _swiglu7_fp32(g, u, RCP: gl.constexpr = False):
     """`expert_forward.swiglu7_tile` in Gluon, the same operations in the same order:
-    g * sigmoid(1.702 g) with one ex2 and the fast reciprocal (also the fp8 kernel's)."""
+    g * sigmoid(1.702 g) with one ex2 and the fast reciprocal (also the fp8 kernel's;
+    RCP: swiglu7_tile's)."""
     g = gl.minimum(g, 7.0)
     u = gl.minimum(gl.maximum(u, -7.0), 7.0)
-    return gl.fdiv(g, 1.0 + gl.exp2(-2.4554669595930157 * g)) * (u + 1.0)
+    y = 1.0 + gl.exp2(-2.4554669595930157 * g)
+    if RCP:
+        silu = g * _rcp_approx(y)
+    else:
+        silu = gl.fdiv(g, y)
+    return silu * (u + 1.0)
+
+
+@gluon.jit
+def _rcp_approx(y):
+    """`expert_forward.rcp_approx` in Gluon."""
+    return gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [y],
+                                     dtype=gl.float32, is_pure=True, pack=1)
 
 
 @gluon.jit

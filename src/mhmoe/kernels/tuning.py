@@ -326,6 +326,15 @@ class Fp8ForwardConfig:
                 bf16 x, D = 256, I a multiple of 64) at the tiles of
                 `fp8_forward_sm90_config()`, with the same numerics; a config that asks
                 for it where it cannot run raises ValueError.
+    reciprocals: every division of the kernels as a product with the divisor's
+                reciprocal (rcp.approx.ftz, MUFU.RCP alone), without the full-range
+                division's range checks and rescales: x and the SwiGLU7 output over their
+                row scales (the division computes exactly that product for divisors in
+                [2^-126, 2^126], which holds every scale: bitwise the same), and the
+                sigmoid g / (1 + e) (the same where 1 + e <= 2^126, g > -51.3; below, zero
+                where the division leaves a subnormal). The interpreter divides (the
+                scales) and emulates the sigmoid's flush. Measurements:
+                docs/fp8.md ("Reciprocals").
     """
 
     block_m: int
@@ -333,6 +342,7 @@ class Fp8ForwardConfig:
     num_warps: int
     num_stages: int
     warp_specialized: bool = False
+    reciprocals: bool = False
 
     def __post_init__(self) -> None:
         check_tiles(self, ("block_m", "block_i"))
