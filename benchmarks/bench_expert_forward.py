@@ -103,12 +103,12 @@ def make_routes(st: Setup, S: int, gen: torch.Generator, skew: bool):
 
 
 def parse_config(spec: str) -> ExpertForwardConfig:
-    """'m/i/w/s[/tma[/paired[/warp_specialized[/cluster]]]]': ExpertForwardConfig's fields
-    in order, booleans as 0/1."""
+    """'m/i/w/s[/tma[/paired[/warp_specialized[/cluster[/sigmoid_rcp]]]]]':
+    ExpertForwardConfig's fields in order, booleans as 0/1."""
     fields = dataclasses.fields(ExpertForwardConfig)
     values = spec.split("/")
     if not 4 <= len(values) <= len(fields):
-        raise SystemExit(f"--sweep: '{spec}' is not m/i/w/s[/tma[/paired[/ws[/cluster]]]]")
+        raise SystemExit(f"--sweep: '{spec}' is not m/i/w/s[/tma[/paired[/ws[/cluster[/rcp]]]]]")
     kwargs = {f.name: (bool(int(v)) if f.type in (bool, "bool") else int(v))
               for f, v in zip(fields[:len(values)], values, strict=True)}
     return ExpertForwardConfig(**kwargs)
@@ -117,6 +117,7 @@ def parse_config(spec: str) -> ExpertForwardConfig:
 def describe(cfg: ExpertForwardConfig) -> str:
     name = f"{cfg.block_m}/{cfg.block_i}/{cfg.num_warps}/{cfg.num_stages}"
     name += f"/{int(cfg.tma)}/{int(cfg.paired)}/{int(cfg.warp_specialized)}/{cfg.cluster}"
+    name += f"/{int(cfg.sigmoid_rcp)}"
     return name
 
 

@@ -251,7 +251,9 @@ def test_split_asked_where_panels_do_not_fit(rng, monkeypatch):
 @pytest.mark.parametrize("path", PATHS)
 def test_sigmoid_rcp_matches_oracle_and_the_division(rng, path):
     # ExpertBackwardConfig.sigmoid_rcp: as accurate as the division, and bitwise the
-    # same where every 1 + e stays below 2^126 (g > -51.3), as here.
+    # same where every 1 + e stays below 2^126 (g > -51.3), as here. On the CPU both
+    # divide (the interpreter has no MUFU): the match shows the option reaches every
+    # kernel and changes nothing else; the GPU test checks the reciprocal itself.
     config = PATHS[path]
     grads = check(rng, 13, 2, 3, 2, 32, 64, config=dataclasses.replace(config, sigmoid_rcp=True))
     problem = make_problem(torch.Generator().manual_seed(7), 13, 2, 3, 2, 32, 64)
@@ -298,6 +300,8 @@ def test_split_config_checks():
                              panel=BIG.panel, panel_dx=PanelDxConfig(32, 4, 1))
     with pytest.raises(ValueError, match="panel_store_bytes must be 8 or 16"):
         dataclasses.replace(BIG, panel_store_bytes=4)
+    with pytest.raises(ValueError, match="its own sigmoid_rcp"):
+        dataclasses.replace(BIG, dx=dataclasses.replace(BIG.dx, sigmoid_rcp=True))
     with pytest.raises(ValueError, match="block_i must be a power of two"):
         PanelDxConfig(24, 4, 1)
     steps, cfg = [], PanelDxConfig(32, 4, 2)

@@ -99,6 +99,36 @@ def test_matches_oracle(rng, deterministic, S, H, E, K, D, I):
     check(rng, S, H, E, K, D, I, deterministic=deterministic)
 
 
+def test_sigmoid_rcp_matches_oracle_and_the_division(rng):
+    # ExpertForwardConfig.sigmoid_rcp: as accurate, and bitwise the division's results
+    # wherever 1 + e <= 2^126 (g > -51.3, every g of these problems).
+    rcp = dataclasses.replace(BIG, sigmoid_rcp=True)
+    check(rng, 7, 2, 4, 2, 32, 48, config=rcp)
+    problem = make_problem(torch.Generator().manual_seed(11), 9, 2, 4, 2, 32, 64)
+    for deterministic in (False, True):
+        assert torch.equal(run(*problem, config=rcp, deterministic=deterministic),
+                           run(*problem, config=BIG, deterministic=deterministic))
+
+
+def test_sigmoid_rcp_gives_zero_where_the_division_gives_a_subnormal():
+    # Every g = 16 * -1 * 3.234375 = -51.75: 1 + e = 2^127.07, whose reciprocal is
+    # subnormal. The division keeps it (a ~ -3e-37, representable in bf16, so y is tiny
+    # but not zero); the reciprocal flushes it (a = -0, y = 0).
+    S, H, E, K, D, I = 6, 1, 2, 1, 16, 32
+    gen = torch.Generator().manual_seed(4)
+    x = -torch.ones(S, H, D, dtype=torch.bfloat16)
+    wg = torch.full((H * E, D, I), 3.234375).bfloat16()
+    wu = (torch.randn(H * E, D, I, generator=gen) * 0.1).bfloat16()
+    wd = torch.randn(H * E, I, D, generator=gen).bfloat16()
+    indices = torch.arange(S).remainder(E).view(H, S, K)
+    probs = torch.rand(H, S, K, generator=gen) + 0.5
+    problem = (x, probs, indices, wg, wu, wd)
+    division = run(*problem, config=BIG)
+    rcp = run(*problem, config=dataclasses.replace(BIG, sigmoid_rcp=True))
+    assert torch.count_nonzero(rcp) == 0
+    assert torch.count_nonzero(division) > 0 and division.abs().max() < 1e-30
+
+
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_empty_expert(rng, deterministic):
     # Experts 1 and 3 of every head get no route.

@@ -131,7 +131,7 @@ def test_pair_swap_store_writes_each_word_of_a_row_once_in_place():
 def test_the_pair_swap_simulation_can_fail():
     # The odd lane keeping the wrong word of a pair moves two words.
     asm = expert_panels_sm90._PAIR_SWAP_STORE.value
-    broken = asm.replace("selp.b32 %hi1, $4, %r1, %odd", "selp.b32 %hi1, $3, %r1, %odd")
+    broken = asm.replace("selp.b32 %hi1, $4, %x1, %odd", "selp.b32 %hi1, $3, %x1, %odd")
     assert broken != asm
     stored = _pair_swap_row_words(broken)
     assert stored != {(row, w): [(row, w)] for row in range(8) for w in range(32)}

@@ -165,8 +165,8 @@ def global_stores(sass: str) -> dict:
 
 # The full-range fp32 division (div.full.f32) compares its divisor with 2^126 before the
 # reciprocal, to rescale it; rcp.approx.ftz is the reciprocal alone.
-_DIVISION_RANGE_CHECK = re.compile(r"\bFSETP\.[\w.]+\s+P\d+,\s*PT,\s*\|?R\d+\|?,\s*"
-                                   r"8\.50705917302346158658e\+37")
+_DIVISION_RANGE_CHECK = re.compile(r"\bFSETP\.[\w.]+\s+P\d+,\s*PT,\s*\|?R\d+\|?(?:\.reuse)?,"
+                                   r"\s*8\.50705917302346158658e\+37")
 
 
 def reciprocals(sass: str) -> dict:

@@ -73,8 +73,9 @@ def swiglu7_tile(g, u, RCP: tl.constexpr = False, INTERPRET: tl.constexpr = Fals
     The sigmoid is g / (1 + 2^(-1.702 log2(e) g)) with the fast (2 ulp) division: one
     exp2 and one reciprocal on the special-function units, which otherwise bound the
     kernels' loops. Far below the bf16 (or e4m3) rounding of the result. RCP: g times
-    rcp.approx.ftz(1 + e) instead (`Fp8ForwardConfig.reciprocals`); INTERPRET: under
-    the interpreter, which has no inline PTX and emulates it.
+    rcp.approx.ftz(1 + e) instead (`ExpertForwardConfig.sigmoid_rcp`,
+    `Fp8ForwardConfig.reciprocals`); INTERPRET: under the interpreter, which has no
+    inline PTX and emulates it.
     """
     g = tl.minimum(g, 7.0)
     u = tl.minimum(tl.maximum(u, -7.0), 7.0)
@@ -146,7 +147,7 @@ def _expert_forward_kernel(
     BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, EVEN_I: tl.constexpr, DETERMINISTIC: tl.constexpr,
     UPCAST: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
-    PAIRED: tl.constexpr,
+    PAIRED: tl.constexpr, RCP: tl.constexpr = False,
 ):
     """Expert MLPs of one tile of routes.
 
@@ -238,7 +239,7 @@ def _expert_forward_kernel(
                 wu = wu.to(tl.float32)
             g = tl.dot(x, wg, input_precision=PRECISION)
             u = tl.dot(x, wu, input_precision=PRECISION)
-        a = swiglu7_tile(g, u)
+        a = swiglu7_tile(g, u, RCP, UPCAST)
         if UPCAST:
             a = round_fp32(a, w_dtype)
         else:
@@ -560,7 +561,7 @@ def triton_expert_forward(
                          tile_expert, tile_first, total, config=sm90, E=E,
                          first_expert=h0 * E, first_head=h0, group_heads=g,
                          slot_base=h0 * S * groups.K, I=I, deterministic=deterministic,
-                         cluster=config.cluster, tmaps=tmaps)
+                         cluster=config.cluster, tmaps=tmaps, rcp=config.sigmoid_rcp)
             groups.finish(h0, g, out, interpret)
         return y
     block_d = triton.next_power_of_2(D)
@@ -595,7 +596,7 @@ def triton_expert_forward(
                 EVEN_I=I % cfg.block_i == 0, DETERMINISTIC=deterministic,
                 UPCAST=interpret, DOT_FP32=dot_fp32,
                 PRECISION="ieee" if dot_fp32 else "tf32",  # tf32 is ignored by 16-bit dots
-                USE_TMA=use_tma, PAIRED=pair_delta is not None,
+                USE_TMA=use_tma, PAIRED=pair_delta is not None, RCP=cfg.sigmoid_rcp,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )
 
@@ -605,8 +606,9 @@ def triton_expert_forward(
 
 
 def sm90_compile_cases() -> list:
-    """The Triton forward kernel at every sm_90 default tile, default and deterministic
-    (`mhmoe.kernels.CompileCase`; MAGI-2's dims)."""
+    """The Triton forward kernel at every sm_90 default tile, default and deterministic,
+    and the first tile with `ExpertForwardConfig.sigmoid_rcp` (`mhmoe.kernels.CompileCase`;
+    MAGI-2's dims)."""
     from ..config import MAGI2_PREVIEW as M
     from . import CompileCase
     from .tuning import FORWARD_SM90
@@ -614,24 +616,27 @@ def sm90_compile_cases() -> list:
     D, I = M.head_dim, M.expert_intermediate_size
     tma = tma_fits(D, I, 2)
     cases = []
-    for _, f in FORWARD_SM90:
-        for det in (False, True):
-            desc_gu = f"tensordesc<bf16[1, {D}, {f.block_i}]>"
-            cases.append(CompileCase(
-                f"expert forward {f.block_m}/{f.block_i}/{f.num_warps}/{f.num_stages}"
-                f"{' paired' if f.paired else ''}{' deterministic' if det else ''}",
-                _expert_forward_kernel,
-                {"x_ptr": "*bf16", "stride_xs": "i32", "stride_xh": "i32",
-                 "gather_ids_ptr": "*i32", "probs_ptr": "*fp32", "offsets_ptr": "*i64",
-                 "tile_expert_ptr": "*i32", "tile_first_ptr": "*i32",
-                 "wg_ptr": "*bf16" if f.paired or not tma else desc_gu,
-                 "wu_ptr": "*bf16" if f.paired or not tma else desc_gu,
-                 "wd_ptr": f"tensordesc<bf16[1, {f.block_i}, {D}]>" if tma else "*bf16",
-                 "out_ptr": "*fp32", "slot_ptr": "*i32", "E": "i32", "first_expert": "i32",
-                 "num_experts": "i32", "first_head": "i32", "group_heads": "i32",
-                 "slot_base": "i32", "pair_delta": "i32"},
-                dict(D=D, I=I, BLOCK_M=f.block_m, BLOCK_I=f.block_i, BLOCK_D=D, EVEN_D=True,
-                     EVEN_I=I % f.block_i == 0, DETERMINISTIC=det, UPCAST=False,
-                     DOT_FP32=False, PRECISION="tf32", USE_TMA=tma, PAIRED=f.paired),
-                f.num_warps, f.num_stages, ("stride_xs", "stride_xh", "pair_delta")))
+    runs = [(f, det) for _, f in FORWARD_SM90 for det in (False, True)]
+    rcp = dataclasses.replace(FORWARD_SM90[0][1], sigmoid_rcp=True)
+    for f, det in [*runs, (rcp, False)]:
+        desc_gu = f"tensordesc<bf16[1, {D}, {f.block_i}]>"
+        cases.append(CompileCase(
+            f"expert forward {f.block_m}/{f.block_i}/{f.num_warps}/{f.num_stages}"
+            f"{' paired' if f.paired else ''}{' deterministic' if det else ''}"
+            f"{' sigmoid_rcp' if f.sigmoid_rcp else ''}",
+            _expert_forward_kernel,
+            {"x_ptr": "*bf16", "stride_xs": "i32", "stride_xh": "i32",
+             "gather_ids_ptr": "*i32", "probs_ptr": "*fp32", "offsets_ptr": "*i64",
+             "tile_expert_ptr": "*i32", "tile_first_ptr": "*i32",
+             "wg_ptr": "*bf16" if f.paired or not tma else desc_gu,
+             "wu_ptr": "*bf16" if f.paired or not tma else desc_gu,
+             "wd_ptr": f"tensordesc<bf16[1, {f.block_i}, {D}]>" if tma else "*bf16",
+             "out_ptr": "*fp32", "slot_ptr": "*i32", "E": "i32", "first_expert": "i32",
+             "num_experts": "i32", "first_head": "i32", "group_heads": "i32",
+             "slot_base": "i32", "pair_delta": "i32"},
+            dict(D=D, I=I, BLOCK_M=f.block_m, BLOCK_I=f.block_i, BLOCK_D=D, EVEN_D=True,
+                 EVEN_I=I % f.block_i == 0, DETERMINISTIC=det, UPCAST=False,
+                 DOT_FP32=False, PRECISION="tf32", USE_TMA=tma, PAIRED=f.paired,
+                 RCP=f.sigmoid_rcp),
+            f.num_warps, f.num_stages, ("stride_xs", "stride_xh", "pair_delta")))
     return cases

@@ -348,12 +348,12 @@ def _rcp_approx(y):
 
 
 @gluon.jit
-def _swiglu7(gu, a_layout: gl.constexpr):
+def _swiglu7(gu, a_layout: gl.constexpr, RCP: gl.constexpr):
     """a = swiglu7(g, u) in bf16, the wgmma A operand of the down product. In the
     accumulator layout a thread holds columns j and j + 64 alike, so the split of the
     [64, 128] gate|up accumulator stays in registers."""
     g, u = gu.reshape([64, 2, 64]).permute((0, 2, 1)).split()
-    return gl.convert_layout(_swiglu7_fp32(g, u).to(gl.bfloat16), a_layout)
+    return gl.convert_layout(_swiglu7_fp32(g, u, RCP).to(gl.bfloat16), a_layout)
 
 
 @gluon.jit
@@ -402,9 +402,9 @@ def _mma_partition(W: gl.constexpr, xs, stages, ready, empty, x_ready, x_empty, 
                    tile_expert_ptr, tile_first_ptr, offsets_ptr, ntiles_ptr, gather_ids_ptr,
                    probs_ptr, out_ptr, slot_ptr, E, first_expert, first_head, group_heads,
                    slot_base, D: gl.constexpr, I: gl.constexpr, NSTAGE: gl.constexpr,
-                   DETERMINISTIC: gl.constexpr, CLUSTER: gl.constexpr):
+                   DETERMINISTIC: gl.constexpr, CLUSTER: gl.constexpr, RCP: gl.constexpr):
     """Rows W*64 .. W*64+63 of every tile of this program: the MLP of each route, scaled
-    by its probability, combined as `expert_forward.combine_rows`."""
+    by its probability, combined as `expert_forward.combine_rows` (RCP: the kernel's)."""
     _cluster_sync(CLUSTER)
     NI: gl.constexpr = I // 64
     gu_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -438,7 +438,7 @@ def _mma_partition(W: gl.constexpr, xs, stages, ready, empty, x_ready, x_empty, 
         gu = warpgroup_mma_wait(num_outstanding=0, deps=(gu,))
         _release(empty, held, NSTAGE)
         blk += 1
-        a = _swiglu7(gu, a_layout)
+        a = _swiglu7(gu, a_layout, RCP)
         acc_lo = gl.zeros([64, 128], gl.float32, gu_layout)
         acc_hi = gl.zeros([64, 128], gl.float32, gu_layout)
 
@@ -459,7 +459,7 @@ def _mma_partition(W: gl.constexpr, xs, stages, ready, empty, x_ready, x_empty, 
             if j == NI - 1:
                 mbarrier.arrive(x_empty.index(W), count=1)
             blk += 1
-            a = _swiglu7(gu, a_layout)
+            a = _swiglu7(gu, a_layout, RCP)
         if NI == 1:
             mbarrier.arrive(x_empty.index(W), count=1)
 
@@ -494,7 +494,7 @@ def _expert_forward_sm90_kernel(
     tmaps,  # CLUSTER = 2: address of the three weights' tensor maps (128 bytes each)
     D: gl.constexpr, I: gl.constexpr, NSTAGE: gl.constexpr, DETERMINISTIC: gl.constexpr,
     MMA_REGS: gl.constexpr, LOAD_REGS: gl.constexpr, CLUSTER: gl.constexpr = 1,
-    READY_OFF: gl.constexpr = 0, PEER_FREE_OFF: gl.constexpr = 0,
+    READY_OFF: gl.constexpr = 0, PEER_FREE_OFF: gl.constexpr = 0, RCP: gl.constexpr = False,
 ):
     """Expert MLPs of the tiles of a head group (see the module docstring).
 
@@ -505,7 +505,8 @@ def _expert_forward_sm90_kernel(
     warpgroup 0) plus the workers. NSTAGE: stages of the weight ring; MMA_REGS, LOAD_REGS:
     registers a thread of the MMA warpgroups and of the loaders' warpgroup (setmaxnreg).
     READY_OFF, PEER_FREE_OFF (CLUSTER = 2): shared-memory offsets of the first `ready` and
-    `peer_free` barriers, for the inline PTX (`_cluster_kernel` finds them).
+    `peer_free` barriers, for the inline PTX (`_cluster_kernel` finds them). RCP:
+    `ExpertForwardConfig.sigmoid_rcp`.
     """
     xs = gl.allocate_shared_memory(gl.bfloat16, [2, 64, D],
                                    gl.NVMMASharedLayout.get_default_for([64, D], gl.bfloat16))
@@ -533,11 +534,11 @@ def _expert_forward_sm90_kernel(
         (_mma_partition, (0, xs, stages, ready, empty, x_ready, x_empty, turn, tile_expert_ptr,
                           tile_first_ptr, offsets_ptr, ntiles_ptr, gather_ids_ptr, probs_ptr,
                           out_ptr, slot_ptr, E, first_expert, first_head, group_heads,
-                          slot_base, D, I, NSTAGE, DETERMINISTIC, CLUSTER)),
+                          slot_base, D, I, NSTAGE, DETERMINISTIC, CLUSTER, RCP)),
         (_mma_partition, (1, xs, stages, ready, empty, x_ready, x_empty, turn, tile_expert_ptr,
                           tile_first_ptr, offsets_ptr, ntiles_ptr, gather_ids_ptr, probs_ptr,
                           out_ptr, slot_ptr, E, first_expert, first_head, group_heads,
-                          slot_base, D, I, NSTAGE, DETERMINISTIC, CLUSTER)),
+                          slot_base, D, I, NSTAGE, DETERMINISTIC, CLUSTER, RCP)),
         (_w_loader, (wg_desc, wu_desc, wd_desc, stages, ready, empty, peer_free, tile_expert_ptr,
                      tile_first_ptr, ntiles_ptr, first_expert, tmaps, D, I, NSTAGE, CLUSTER,
                      (READY_OFF, PEER_FREE_OFF))),
@@ -627,10 +628,12 @@ def smem_offsets(llir: str) -> tuple[int, int]:
 
 
 def kernel_options(config: ExpertForwardSm90Config, D: int, I: int, deterministic: bool,
-                   cluster: int) -> dict:
-    """The constexprs of `_expert_forward_sm90_kernel` for these tiles and shapes."""
+                   cluster: int, rcp: bool = False) -> dict:
+    """The constexprs of `_expert_forward_sm90_kernel` for these tiles and shapes (rcp:
+    `ExpertForwardConfig.sigmoid_rcp`)."""
     return dict(D=D, I=I, NSTAGE=config.num_stages, DETERMINISTIC=deterministic,
-                MMA_REGS=config.mma_regs, LOAD_REGS=config.load_regs, CLUSTER=cluster)
+                MMA_REGS=config.mma_regs, LOAD_REGS=config.load_regs, CLUSTER=cluster,
+                RCP=rcp)
 
 
 _OFFSETS: dict = {}  # (I, deterministic, ring stages) -> the cluster variant's barrier offsets
@@ -685,16 +688,16 @@ def launch_ws(x_heads, gather_ids, sorted_probs, offsets, descs, out, slots, til
               tile_first, num_tiles, *, config: ExpertForwardSm90Config, E: int,
               first_expert: int, first_head: int, group_heads: int, slot_base: int, I: int,
               deterministic: bool, cluster: int = 1,
-              tmaps: torch.Tensor | None = None) -> None:
+              tmaps: torch.Tensor | None = None, rcp: bool = False) -> None:
     """One launch of `_expert_forward_sm90_kernel` for a head group (the launcher of
     expert_forward.py picks `config`, prepares the tile map of config.block_m rows, the
     descriptors (`weight_descriptors`) and `out`). cluster=2: the multicast variant, with
     tmaps from `cached_tensor_maps`. Persistent: one program an SM, or as many clusters
-    as fit at once."""
+    as fit at once. rcp: `kernel_options`'s."""
     args = (x_heads, x_heads.stride(0), x_heads.stride(1), gather_ids, sorted_probs, offsets,
             tile_expert, tile_first, num_tiles, *descs, out, slots, E, first_expert,
             first_head, group_heads, slot_base, 0 if cluster == 1 else tmaps.data_ptr())
-    opts = dict(kernel_options(config, x_heads.shape[2], I, deterministic, cluster),
+    opts = dict(kernel_options(config, x_heads.shape[2], I, deterministic, cluster, rcp),
                 num_warps=config.num_warps, maxnreg=config.maxnreg)
     if cluster > 1:
         k, opts = _cluster_kernel(args, opts)
@@ -706,7 +709,7 @@ def launch_ws(x_heads, gather_ids, sorted_probs, offsets, descs, out, slots, til
 
 
 def sm90_signature(config: ExpertForwardSm90Config, D: int, I: int, deterministic: bool,
-                   cluster: int = 1):
+                   cluster: int = 1, rcp: bool = False):
     """(signature, constexprs) of `_expert_forward_sm90_kernel` as `launch_ws` calls it,
     for compiling it without a GPU (tools/sass_audit.py)."""
     from triton.runtime.jit import mangle_type
@@ -720,11 +723,12 @@ def sm90_signature(config: ExpertForwardSm90Config, D: int, I: int, deterministi
                                                 strict=True)},
            "out_ptr": "*fp32", "slot_ptr": "*i64", "E": "i32", "first_expert": "i32",
            "first_head": "i32", "group_heads": "i32", "slot_base": "i32", "tmaps": "i64"}
-    return sig, kernel_options(config, D, I, deterministic, cluster)
+    return sig, kernel_options(config, D, I, deterministic, cluster, rcp)
 
 
 def sm90_compile_cases() -> list:
-    """This kernel in both modes, one CTA and clusters of two, as the launcher compiles it
+    """This kernel in both modes, one CTA and clusters of two, and with
+    `ExpertForwardConfig.sigmoid_rcp` (one CTA, default mode), as the launcher compiles it
     (`mhmoe.kernels.CompileCase`; MAGI-2's dims)."""
     from ..config import MAGI2_PREVIEW as M
     from . import CompileCase
@@ -735,12 +739,12 @@ def sm90_compile_cases() -> list:
     config = expert_forward_sm90_config()
     D, I = M.head_dim, M.expert_intermediate_size
     cases = []
-    for det in (False, True):
-        for cluster in (1, 2):
-            sig, cx = sm90_signature(config, D, I, det, cluster)
-            cases.append(CompileCase(
-                f"expert forward ws (Gluon){' deterministic' if det else ''}"
-                f"{' cluster 2' if cluster > 1 else ''}",
-                _expert_forward_sm90_kernel, sig, cx, config.num_warps, 1,
-                ("stride_xs", "stride_xh"), config.maxnreg))
+    runs = [(det, cluster, False) for det in (False, True) for cluster in (1, 2)]
+    for det, cluster, rcp in [*runs, (False, 1, True)]:
+        sig, cx = sm90_signature(config, D, I, det, cluster, rcp)
+        cases.append(CompileCase(
+            f"expert forward ws (Gluon){' deterministic' if det else ''}"
+            f"{' cluster 2' if cluster > 1 else ''}{' sigmoid_rcp' if rcp else ''}",
+            _expert_forward_sm90_kernel, sig, cx, config.num_warps, 1,
+            ("stride_xs", "stride_xh"), config.maxnreg))
     return cases

@@ -251,27 +251,29 @@ def _store_bf16(ptr32, at3, v, quads: gl.constexpr):
 # one's (pair columns 8k + 4 + q - 1, + 1): one select, one shuffle and two selects, no
 # lane arithmetic. $9: the lane's parity (q & 1), $10: the address of its first store
 # (word (q & 2) + 4 (q & 1) of the row's slice); the others follow 32 bytes apart. The
-# value $0 is a dummy. Checked by tests/test_quad_transpose.py's lane-level simulation.
+# value $0 is a dummy. Its own registers are not named %r (LLVM's names for the operands:
+# a declaration in the block would shadow one). Checked by tests/test_quad_transpose.py's
+# lane-level simulation.
 _PAIR_SWAP_STORE = gl.constexpr("""{
     .reg .pred %odd;
-    .reg .b32 %s<4>, %r<4>, %lo<4>, %hi<4>;
+    .reg .b32 %s<4>, %x<4>, %lo<4>, %hi<4>;
     setp.ne.b32 %odd, $9, 0;
     selp.b32 %s0, $1, $2, %odd;
     selp.b32 %s1, $3, $4, %odd;
     selp.b32 %s2, $5, $6, %odd;
     selp.b32 %s3, $7, $8, %odd;
-    shfl.sync.bfly.b32 %r0, %s0, 1, 31, -1;
-    shfl.sync.bfly.b32 %r1, %s1, 1, 31, -1;
-    shfl.sync.bfly.b32 %r2, %s2, 1, 31, -1;
-    shfl.sync.bfly.b32 %r3, %s3, 1, 31, -1;
-    selp.b32 %lo0, %r0, $1, %odd;
-    selp.b32 %hi0, $2, %r0, %odd;
-    selp.b32 %lo1, %r1, $3, %odd;
-    selp.b32 %hi1, $4, %r1, %odd;
-    selp.b32 %lo2, %r2, $5, %odd;
-    selp.b32 %hi2, $6, %r2, %odd;
-    selp.b32 %lo3, %r3, $7, %odd;
-    selp.b32 %hi3, $8, %r3, %odd;
+    shfl.sync.bfly.b32 %x0, %s0, 1, 31, -1;
+    shfl.sync.bfly.b32 %x1, %s1, 1, 31, -1;
+    shfl.sync.bfly.b32 %x2, %s2, 1, 31, -1;
+    shfl.sync.bfly.b32 %x3, %s3, 1, 31, -1;
+    selp.b32 %lo0, %x0, $1, %odd;
+    selp.b32 %hi0, $2, %x0, %odd;
+    selp.b32 %lo1, %x1, $3, %odd;
+    selp.b32 %hi1, $4, %x1, %odd;
+    selp.b32 %lo2, %x2, $5, %odd;
+    selp.b32 %hi2, $6, %x2, %odd;
+    selp.b32 %lo3, %x3, $7, %odd;
+    selp.b32 %hi3, $8, %x3, %odd;
     st.global.v2.b32 [$10], {%lo0, %hi0};
     st.global.v2.b32 [$10+32], {%lo1, %hi1};
     st.global.v2.b32 [$10+64], {%lo2, %hi2};

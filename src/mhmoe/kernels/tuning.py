@@ -56,6 +56,13 @@ class ExpertForwardConfig:
                 with warp_specialized for such a shape raises ValueError.
     cluster:    with warp_specialized, 2 runs the kernel in clusters of two CTAs
                 that share each weight stage by multicast bulk copies (1: no clusters).
+    sigmoid_rcp: the forward kernels' SwiGLU7 sigmoid g / (1 + e) as g times
+                rcp.approx.ftz(1 + e), without the full-range division's range checks:
+                bitwise the same where 1 + e <= 2^126 (g > -51.3), zero below where the
+                division leaves a subnormal (as `Fp8ForwardConfig.reciprocals`'s sigmoid,
+                docs/expert-forward.md). The backward's tiles (ExpertBackwardConfig's dx
+                and dw) leave it False: the backward's own is
+                `ExpertBackwardConfig.sigmoid_rcp`.
     """
 
     block_m: int
@@ -66,6 +73,7 @@ class ExpertForwardConfig:
     paired: bool = False
     warp_specialized: bool = False
     cluster: int = 1
+    sigmoid_rcp: bool = False
 
     def __post_init__(self) -> None:
         check_tiles(self, ("block_m", "block_i"))
@@ -799,8 +807,9 @@ class ExpertBackwardConfig:
         special-function unit (rcp.approx.ftz, in every backward kernel) instead of the
         full-range division, which adds a range check and two rescales an element. The
         two agree bitwise where 1 + e <= 2^126 (g > -51.3); below, the division gives a
-        subnormal sigmoid and the reciprocal zero. The interpreter (CPU) computes the
-        reciprocal's values: 1 / (1 + e), zero where 1 + e > 2^126.
+        subnormal sigmoid and the reciprocal zero. The interpreter (CPU) emulates the
+        flush: the correctly rounded 1 / (1 + e), zero where 1 + e > 2^126 (not MUFU's
+        approximation, which agrees with the division on the GPU).
     panel_store_bytes: how the Gluon panel kernel writes dg, du and a p: 16 (each quad of
         lanes transposes its words by three shuffles, then 16-byte stores) or 8 (lane
         pairs swap one word a store by one shuffle, then 8-byte stores, fewer
@@ -827,6 +836,9 @@ class ExpertBackwardConfig:
         if self.dx.warp_specialized and self.dx.block_m != 128:
             raise ValueError("ExpertBackwardConfig.dx.warp_specialized: the Gluon panel "
                              f"kernel's tiles are 128 rows (the panels'), got {self.dx.block_m}")
+        if self.dx.sigmoid_rcp or self.dw.sigmoid_rcp:
+            raise ValueError("ExpertBackwardConfig: the backward's reciprocal is its own "
+                             "sigmoid_rcp, not its dx or dw tiles'")
         if self.panel_store_bytes not in (8, 16):
             raise ValueError("ExpertBackwardConfig.panel_store_bytes must be 8 or 16, got "
                              f"{self.panel_store_bytes}")
