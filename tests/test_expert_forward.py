@@ -110,10 +110,10 @@ def test_sigmoid_rcp_matches_oracle_and_the_division(rng):
                            run(*problem, config=BIG, deterministic=deterministic))
 
 
-def test_sigmoid_rcp_gives_zero_where_the_division_gives_a_subnormal():
+def test_sigmoid_rcp_gives_zero_where_the_reciprocal_is_subnormal():
     # Every g = 16 * -1 * 3.234375 = -51.75: 1 + e = 2^127.07, whose reciprocal is
-    # subnormal. The division keeps it (a ~ -3e-37, representable in bf16, so y is tiny
-    # but not zero); the reciprocal flushes it (a = -0, y = 0).
+    # subnormal. The division rescales and gives g / (1 + e) (a ~ -3e-37, representable in
+    # bf16, so y is tiny but not zero); the reciprocal flushes to zero (a = -0, y = 0).
     S, H, E, K, D, I = 6, 1, 2, 1, 16, 32
     gen = torch.Generator().manual_seed(4)
     x = -torch.ones(S, H, D, dtype=torch.bfloat16)

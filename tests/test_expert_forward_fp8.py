@@ -79,19 +79,34 @@ def test_kernel_equals_its_float64_twin(mode, S, H, E, K, D, I, edge):
 
 
 @pytest.mark.parametrize("mode", sorted(CONFIGS))
-def test_reciprocals_keep_the_results(mode):
-    # Fp8ForwardConfig.reciprocals: the interpreter divides the scales either way and its
-    # sigmoid reciprocal equals the division wherever 1 + e <= 2^126 (every g here), so
-    # the output is bitwise the default's, as on the GPU (where test_gpu.py checks the
-    # inline reciprocals themselves).
+def test_reciprocals_reach_the_kernel_and_leave_the_interpreters_results(mode, monkeypatch):
+    # Fp8ForwardConfig.reciprocals: the launcher passes it to the kernel as RCP (checked
+    # on the launch itself: no output under the interpreter can show it, which divides
+    # the scales either way and whose sigmoid flush vanishes in the activation's
+    # quantization); the results stay bitwise the default's. test_gpu.py checks the
+    # inline reciprocals on the GPU.
     import dataclasses
 
     x, layout, w = problem(40, 2, 4, 2, 32, 128, seed=5)
     q = quantize_weights(*w)
     rcp = dataclasses.replace(CONFIGS[mode], reciprocals=True)
+    kernel, seen = k8._expert_forward_fp8_kernel, []
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                seen.append(kwargs["RCP"])
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(k8, "_expert_forward_fp8_kernel", Spy())
     for deterministic in (False, True):
-        assert torch.equal(run(x, layout, q, rcp, deterministic),
-                           run(x, layout, q, CONFIGS[mode], deterministic))
+        seen.clear()
+        got = run(x, layout, q, rcp, deterministic)
+        assert seen and all(seen), seen
+        seen.clear()
+        assert torch.equal(got, run(x, layout, q, CONFIGS[mode], deterministic))
+        assert seen and not any(seen), seen
 
 
 @triton.jit
@@ -102,11 +117,11 @@ def _swiglu7_kernel(g_ptr, u_ptr, out_ptr, N: tl.constexpr, RCP: tl.constexpr):
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp2")  # g = -60: 1 + e = inf
-def test_swiglu7_reciprocal_flushes_where_the_division_gives_a_subnormal():
+def test_swiglu7_reciprocal_flushes_where_it_is_subnormal():
     # swiglu7_tile with RCP (the fp8 kernels' reciprocals), as the interpreter emulates
     # rcp.approx.ftz: 1 + e in (2^126, 2^128) (g = -51.75: 2^127.07) has a subnormal
-    # reciprocal, which the division keeps (g / y ~ -3e-37) and the reciprocal flushes
-    # (g * 0 = -0); elsewhere the two agree bitwise.
+    # reciprocal, which the reciprocal flushes (g * 0 = -0) where the division rescales
+    # (g / y ~ -3e-37); elsewhere the two agree bitwise.
     g = torch.tensor([-51.75, -60.0, -10.0, -1.0, 0.0, 0.5, 3.0, 9.0])
     u = torch.tensor([0.5, 0.5, -9.0, 2.0, 1.0, 8.0, -0.25, 0.0])
     out = {rcp: torch.empty(8) for rcp in (False, True)}

@@ -492,18 +492,28 @@ def test_forward_sigmoid_rcp_gives_the_divisions_results(S, H, E, K, I, edge, mo
 
     x, w, probs, scores, _ = gluon_case(S, H, E, K, I, edge, None, monkeypatch)
     layout = mhmoe.sort_routes(probs, scores.topk(K, dim=-1).indices, E)
+    # Where the option shows (so equal outputs above do not just mean it was lost on its
+    # way): every g = 256 * -1 * 0.2021484375 = -51.75, 1 + e = 2^127.07; the division
+    # gives g / (1 + e) ~ -3e-37 (normal, and so a and y: tiny, not zero), the
+    # reciprocal g * 0 (a = -0, y = 0).
+    flush_x = -torch.ones_like(x)
+    flush_w = (torch.full_like(w[0], 0.2021484375), w[1], w[2])
     for cfg in (ExpertForwardConfig(128, 32, 8, 3, warp_specialized=True),
                 ExpertForwardConfig(128, 32, 8, 3, paired=True, warp_specialized=True,
                                     cluster=2),
                 ExpertForwardConfig(64, 32, 4, 4)):
+        rcp = dc.replace(cfg, sigmoid_rcp=True)
         for det in (True, False):
             want = ef.triton_expert_forward(x, *layout, *w, deterministic=det, config=cfg)
-            got = ef.triton_expert_forward(x, *layout, *w, deterministic=det,
-                                           config=dc.replace(cfg, sigmoid_rcp=True))
+            got = ef.triton_expert_forward(x, *layout, *w, deterministic=det, config=rcp)
             if det:
                 assert torch.equal(got, want), (edge, cfg, rel_err(got, want))
             else:  # atomic adds in any order
                 assert rel_err(got, want) < 1e-4, (edge, cfg)
+        division = ef.triton_expert_forward(flush_x, *layout, *flush_w, config=cfg)
+        flushed = ef.triton_expert_forward(flush_x, *layout, *flush_w, config=rcp)
+        assert torch.count_nonzero(flushed) == 0, (edge, cfg)
+        assert 0 < division.abs().max() < 1e-30, (edge, cfg, division.abs().max())
 
 
 def test_router_backward_kernels_at_full_size():
@@ -570,6 +580,12 @@ def test_backward_panel_head_groups_bitwise_on_gpu(monkeypatch):
     grouped = eb.triton_expert_backward(dy, x, *layout, *w, deterministic=True)
     for name, a, b in zip(("dx", "dprobs", "dWg", "dWu", "dWd"), whole, grouped, strict=True):
         assert torch.equal(a, b), name
+
+
+def compiled_ptx(fn) -> list[str]:
+    """The PTX of every specialisation of the jit function `fn` this process compiled
+    (Triton 3.6's JIT cache: device -> (kernels by key, ...))."""
+    return [k.asm["ptx"] for caches in fn.device_caches.values() for k in caches[0].values()]
 
 
 def panel_case(S, H, E, K, I, edge, monkeypatch):
@@ -714,6 +730,14 @@ def test_gluon_panel_kernel_variants(S, H, E, K, I, edge, monkeypatch):
             for i, name in enumerate(names):
                 bar = 1.05 * rel_err(fused[i], ref[i]) + 1e-4
                 assert rel_err(out[i], ref[i]) <= bar, (edge, label, name)
+    # The comparisons above would hold with the option lost on its way (both dividing):
+    # each backward kernel it ran (every case runs "recompute rcp" above) must have a
+    # specialisation with the reciprocal.
+    import mhmoe.kernels.expert_backward as eb
+    import mhmoe.kernels.expert_panels_sm90 as ps
+
+    for kernel in (ps._expert_panels_sm90_kernel, eb._expert_dx_kernel, eb._expert_dw_kernel):
+        assert any("rcp.approx.ftz" in p for p in compiled_ptx(kernel)), kernel
 
 
 # ---------------------------------------------------------------------------------------
@@ -862,6 +886,14 @@ def test_fp8_reciprocals_give_the_divisions_results(S, H, E, K, I, edge, monkeyp
                 assert torch.equal(got, want), (edge, cfg, rel_err(got, want))
             else:  # atomic adds in any order
                 assert rel_err(got, want) < 1e-4, (edge, cfg)
+    # Equal outputs would also come from the option lost on its way (no output shows the
+    # sigmoid's flush after the activation's quantization): both kernels must have a
+    # specialisation with the reciprocal.
+    import mhmoe.kernels.expert_forward_fp8 as k8
+    import mhmoe.kernels.expert_forward_fp8_sm90 as g8
+
+    for kernel in (k8._expert_forward_fp8_kernel, g8._expert_forward_fp8_sm90_kernel):
+        assert any("rcp.approx.ftz" in p for p in compiled_ptx(kernel)), kernel
 
 
 def test_fp8_magi2_layer_against_the_float64_bf16_layer(magi2_layer, magi2_fp8_layer):

@@ -83,14 +83,15 @@ def _row_scale(v):
 
 
 @triton.jit
-def _over_rows(v, s, RCP: tl.constexpr, INTERPRET: tl.constexpr):
-    """v / s[:, None] for per-row scales s (`_row_scale`'s, within [2^-126, 2^126]): with
-    RCP (`Fp8ForwardConfig.reciprocals`) on the GPU as v times s's rcp.approx.ftz, which
-    is what the full-range division computes there, bitwise, without its checks."""
+def _over(v, s, RCP: tl.constexpr, INTERPRET: tl.constexpr):
+    """v / s for a row scale s (`_row_scale`'s, within [2^-126, 2^126]; broadcast as
+    given): with RCP (`Fp8ForwardConfig.reciprocals`) on the GPU as v times s's
+    rcp.approx.ftz, which is what the full-range division computes there, bitwise,
+    without its checks."""
     if RCP and not INTERPRET:
-        return v * rcp_approx(s)[:, None]
+        return v * rcp_approx(s)
     else:
-        return v / s[:, None]
+        return v / s
 
 
 @triton.jit
@@ -124,7 +125,7 @@ def _expert_forward_fp8_kernel(
     x = tl.load(x_ptr + tokens[:, None] * stride_xs + head * stride_xh + d[None, :],
                 mask=row_ok[:, None], other=0.0).to(tl.float32)
     s_x = _row_scale(x)
-    xq = _to_e4m3(_over_rows(x, s_x, RCP, INTERPRET), INTERPRET)
+    xq = _to_e4m3(_over(x, s_x[:, None], RCP, INTERPRET), INTERPRET)
     s_prev = tl.full([BLOCK_M], 1.0, tl.float32)
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     f32 = f.to(tl.int32)
@@ -138,8 +139,8 @@ def _expert_forward_fp8_kernel(
         u = tl.dot(xq, tl.trans(wu)) * s_x[:, None] * su[None, :]
         a = swiglu7_tile(g, u, RCP, INTERPRET)
         s_a = _row_scale(a)
-        aq = _to_e4m3(_over_rows(a, s_a, RCP, INTERPRET), INTERPRET)
-        acc = acc * (s_prev / s_a)[:, None]
+        aq = _to_e4m3(_over(a, s_a[:, None], RCP, INTERPRET), INTERPRET)
+        acc = acc * _over(s_prev, s_a, RCP, INTERPRET)[:, None]
         acc = tl.dot(aq, tl.trans(wd), acc)
         s_prev = s_a
     acc = acc * s_prev[:, None]

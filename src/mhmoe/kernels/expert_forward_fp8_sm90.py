@@ -125,12 +125,12 @@ def _w_loader(wg_desc, wu_desc, wd_desc, sg_desc, su_desc, stages, scales, ready
 
 
 @gluon.jit
-def _over_rows(v, s, RCP: gl.constexpr):
-    """`expert_forward_fp8._over_rows` in Gluon (v / s[:, None])."""
+def _over(v, s, RCP: gl.constexpr):
+    """`expert_forward_fp8._over` in Gluon (v / s)."""
     if RCP:
-        return v * _rcp_approx(s)[:, None]
+        return v * _rcp_approx(s)
     else:
-        return v / s[:, None]
+        return v / s
 
 
 @gluon.jit
@@ -140,7 +140,7 @@ def _quantize_x(xs, xq, g_layout: gl.constexpr, RCP: gl.constexpr):
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
     x = xs.load(layout).to(gl.float32)
     s_x = gl.maximum(gl.max(gl.abs(x), axis=1), _AMAX_FLOOR) / _FP8_MAX
-    xq.store(_over_rows(x, s_x, RCP).to(gl.float8e4nv))
+    xq.store(_over(x, s_x[:, None], RCP).to(gl.float8e4nv))
     # Generic-proxy stores, read next by wgmma (the async proxy).
     fence_async_shared()
     return gl.convert_layout(s_x, gl.SliceLayout(1, g_layout))
@@ -193,11 +193,11 @@ def _activation(gu, s_x, scales, empty, held, aq, acc, s_prev, NSTAGE: gl.conste
     su = scales.index(2 * slot + 1).load(g_layout)
     a = _swiglu7_fp32(g * s_x[:, None] * sg, u * s_x[:, None] * su, RCP)
     s_a = gl.maximum(gl.max(gl.abs(a), axis=1), _AMAX_FLOOR) / _FP8_MAX
-    aq.store(_over_rows(a, s_a, RCP).to(gl.float8e4nv))
+    aq.store(_over(a, s_a[:, None], RCP).to(gl.float8e4nv))
     fence_async_shared()
     _release(empty, held, NSTAGE)
     s_a = gl.convert_layout(s_a, s_prev.type.layout)
-    return acc * (s_prev / s_a)[:, None], s_a
+    return acc * _over(s_prev, s_a, RCP)[:, None], s_a
 
 
 @gluon.jit

@@ -58,11 +58,12 @@ class ExpertForwardConfig:
                 that share each weight stage by multicast bulk copies (1: no clusters).
     sigmoid_rcp: the forward kernels' SwiGLU7 sigmoid g / (1 + e) as g times
                 rcp.approx.ftz(1 + e), without the full-range division's range checks:
-                bitwise the same where 1 + e <= 2^126 (g > -51.3), zero below where the
-                division leaves a subnormal (as `Fp8ForwardConfig.reciprocals`'s sigmoid,
-                docs/expert-forward.md). The backward's tiles (ExpertBackwardConfig's dx
-                and dw) leave it False: the backward's own is
-                `ExpertBackwardConfig.sigmoid_rcp`.
+                bitwise the same where 1 + e <= 2^126 (g > -51.3); for 1 + e in (2^126,
+                2^128), g in (-52.1, -51.3), the division rescales and gives g / (1 + e)
+                ~ -3e-37, the reciprocal (subnormal, flushed) g * 0 (as
+                `Fp8ForwardConfig.reciprocals`'s sigmoid, docs/expert-forward.md). The
+                backward's tiles (ExpertBackwardConfig's dx and dw) leave it False: the
+                backward's own is `ExpertBackwardConfig.sigmoid_rcp`.
     """
 
     block_m: int
@@ -334,15 +335,16 @@ class Fp8ForwardConfig:
                 bf16 x, D = 256, I a multiple of 64) at the tiles of
                 `fp8_forward_sm90_config()`, with the same numerics; a config that asks
                 for it where it cannot run raises ValueError.
-    reciprocals: every division of the kernels as a product with the divisor's
-                reciprocal (rcp.approx.ftz, MUFU.RCP alone), without the full-range
-                division's range checks and rescales: x and the SwiGLU7 output over their
-                row scales (the division computes exactly that product for divisors in
-                [2^-126, 2^126], which holds every scale: bitwise the same), and the
-                sigmoid g / (1 + e) (the same where 1 + e <= 2^126, g > -51.3; below, zero
-                where the division leaves a subnormal). The interpreter divides (the
-                scales) and emulates the sigmoid's flush. Measurements:
-                docs/fp8.md ("Reciprocals").
+    reciprocals: the kernels' divisions as products with the divisor's reciprocal
+                (rcp.approx.ftz, MUFU.RCP alone), without the full-range division's range
+                checks and rescales: x and the SwiGLU7 output over their row scales, the
+                rescale's s_prev / s_a (the division computes exactly that product for
+                divisors in [2^-126, 2^126], which holds every scale: bitwise the same),
+                and the sigmoid g / (1 + e) (the same where 1 + e <= 2^126, g > -51.3;
+                for g in (-52.1, -51.3) ~ -3e-37 against g * 0, which the activation's
+                quantization makes zero either way). The interpreter divides (the
+                scales) and emulates the sigmoid's flush. Measurements: docs/fp8.md
+                ("Reciprocals").
     """
 
     block_m: int
