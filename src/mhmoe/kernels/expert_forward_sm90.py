@@ -728,7 +728,7 @@ def sm90_signature(config: ExpertForwardSm90Config, D: int, I: int, deterministi
 
 def sm90_compile_cases() -> list:
     """This kernel in both modes, one CTA and clusters of two, and with
-    `ExpertForwardConfig.sigmoid_rcp` (one CTA, default mode), as the launcher compiles it
+    `ExpertForwardConfig.sigmoid_rcp` (default mode, both), as the launcher compiles it
     (`mhmoe.kernels.CompileCase`; MAGI-2's dims)."""
     from ..config import MAGI2_PREVIEW as M
     from . import CompileCase
@@ -740,7 +740,7 @@ def sm90_compile_cases() -> list:
     D, I = M.head_dim, M.expert_intermediate_size
     cases = []
     runs = [(det, cluster, False) for det in (False, True) for cluster in (1, 2)]
-    for det, cluster, rcp in [*runs, (False, 1, True)]:
+    for det, cluster, rcp in [*runs, (False, 1, True), (False, 2, True)]:
         sig, cx = sm90_signature(config, D, I, det, cluster, rcp)
         cases.append(CompileCase(
             f"expert forward ws (Gluon){' deterministic' if det else ''}"
