@@ -63,6 +63,7 @@ from . import tuning
 from .expert_forward import (
     HeadGroups,
     combine_rows,
+    divide,
     launch_with_step_down,
     round_fp32,
     tile_map,
@@ -88,21 +89,13 @@ def _swiglu7_backward(g, u, da, RCP: tl.constexpr, INTERPRET: tl.constexpr):
     pass the gradient where the input lies inside the clamp range, bounds
     included, as torch.clamp does. RCP: the sigmoid's reciprocal as
     `ExpertBackwardConfig.sigmoid_rcp` says; INTERPRET: under the interpreter
-    (the kernels' UPCAST), which has no inline PTX.
+    (the kernels' UPCAST); both `expert_forward.divide`'s.
     """
     gc = tl.minimum(g, 7.0)
     uc1 = tl.minimum(tl.maximum(u, -7.0), 7.0) + 1.0
     # sigmoid(1.702 g) = 1 / (1 + 2^(-1.702 log2(e) g)): one exp2 and a fast
     # reciprocal on the special-function units (as the forward).
-    y = 1.0 + tl.exp2(-2.4554669595930157 * gc)
-    if RCP:
-        if INTERPRET:
-            sig = tl.where(y > 2.0**126, 0.0, 1.0 / y)  # rcp.approx.ftz's flush to zero
-        else:
-            sig = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [y],
-                                            dtype=tl.float32, is_pure=True, pack=1)
-    else:
-        sig = tl.fdiv(1.0, y)
+    sig = divide(1.0, 1.0 + tl.exp2(-2.4554669595930157 * gc), RCP, INTERPRET)
     silu = gc * sig
     a = silu * uc1
     # Each mask right before its use: computed first, 64 masks would stay live across

@@ -72,29 +72,31 @@ def swiglu7_tile(g, u, RCP: tl.constexpr = False, INTERPRET: tl.constexpr = Fals
 
     The sigmoid is g / (1 + 2^(-1.702 log2(e) g)) with the fast (2 ulp) division: one
     exp2 and one reciprocal on the special-function units, which otherwise bound the
-    kernels' loops. Far below the bf16 (or e4m3) rounding of the result. RCP: g times
-    rcp.approx.ftz(1 + e) instead (`ExpertForwardConfig.sigmoid_rcp`,
-    `Fp8ForwardConfig.reciprocals`); INTERPRET: under the interpreter, which has no
-    inline PTX and emulates it.
+    kernels' loops. Far below the bf16 (or e4m3) rounding of the result. RCP,
+    INTERPRET: `divide`'s (`ExpertForwardConfig.sigmoid_rcp`,
+    `Fp8ForwardConfig.reciprocals`).
     """
     g = tl.minimum(g, 7.0)
     u = tl.minimum(tl.maximum(u, -7.0), 7.0)
-    y = 1.0 + tl.exp2(-2.4554669595930157 * g)
-    if RCP:
-        if INTERPRET:
-            silu = tl.where(y > 2.0**126, g * 0.0, g / y)  # rcp.approx.ftz's flush to zero
-        else:
-            silu = g * rcp_approx(y)
-    else:
-        silu = tl.fdiv(g, y)
-    return silu * (u + 1.0)
+    return divide(g, 1.0 + tl.exp2(-2.4554669595930157 * g), RCP, INTERPRET) * (u + 1.0)
 
 
 @triton.jit
-def rcp_approx(y):
-    """rcp.approx.ftz.f32 of fp32 y: MUFU.RCP alone (GPU only: inline PTX)."""
-    return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [y],
-                                     dtype=tl.float32, is_pure=True, pack=1)
+def divide(num, den, RCP: tl.constexpr = False, INTERPRET: tl.constexpr = False):
+    """num / den in fp32 as every kernel here divides: the full-range division
+    (div.full.f32), or with RCP num times rcp.approx.ftz(den) (MUFU.RCP alone), which is
+    what the division computes, bitwise, for den in [2^-126, 2^126], without its range
+    checks and rescales; above 2^126 the reciprocal flushes to zero. INTERPRET: under
+    the interpreter (no inline PTX), which divides and emulates that flush."""
+    if RCP:
+        if INTERPRET:
+            return tl.where(den > 2.0**126, num * 0.0, num / den)
+        else:
+            return num * tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r",
+                                                   [den], dtype=tl.float32, is_pure=True,
+                                                   pack=1)
+    else:
+        return tl.fdiv(num, den)
 
 
 @triton.jit

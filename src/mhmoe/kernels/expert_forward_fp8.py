@@ -41,7 +41,7 @@ from . import tuning
 from .expert_forward import (
     HeadGroups,
     combine_rows,
-    rcp_approx,
+    divide,
     swiglu7_tile,
     tile_map,
     tile_rows,
@@ -83,18 +83,6 @@ def _row_scale(v):
 
 
 @triton.jit
-def _over(v, s, RCP: tl.constexpr, INTERPRET: tl.constexpr):
-    """v / s for a row scale s (`_row_scale`'s, within [2^-126, 2^126]; broadcast as
-    given): with RCP (`Fp8ForwardConfig.reciprocals`) on the GPU as v times s's
-    rcp.approx.ftz, which is what the full-range division computes there, bitwise,
-    without its checks."""
-    if RCP and not INTERPRET:
-        return v * rcp_approx(s)
-    else:
-        return v / s
-
-
-@triton.jit
 def _expert_forward_fp8_kernel(
     x_ptr, stride_xs, stride_xh,  # x_heads [S, H, D] bf16; unit stride along D
     gather_ids_ptr, probs_ptr, offsets_ptr,  # the RouteLayout: [R], [R], [H*E + 1]
@@ -125,7 +113,8 @@ def _expert_forward_fp8_kernel(
     x = tl.load(x_ptr + tokens[:, None] * stride_xs + head * stride_xh + d[None, :],
                 mask=row_ok[:, None], other=0.0).to(tl.float32)
     s_x = _row_scale(x)
-    xq = _to_e4m3(_over(x, s_x[:, None], RCP, INTERPRET), INTERPRET)
+    # Row scales lie in [2^-73, 2^119]: with RCP the reciprocal's bits are the division's.
+    xq = _to_e4m3(divide(x, s_x[:, None], RCP, INTERPRET), INTERPRET)
     s_prev = tl.full([BLOCK_M], 1.0, tl.float32)
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     f32 = f.to(tl.int32)
@@ -139,8 +128,8 @@ def _expert_forward_fp8_kernel(
         u = tl.dot(xq, tl.trans(wu)) * s_x[:, None] * su[None, :]
         a = swiglu7_tile(g, u, RCP, INTERPRET)
         s_a = _row_scale(a)
-        aq = _to_e4m3(_over(a, s_a[:, None], RCP, INTERPRET), INTERPRET)
-        acc = acc * _over(s_prev, s_a, RCP, INTERPRET)[:, None]
+        aq = _to_e4m3(divide(a, s_a[:, None], RCP, INTERPRET), INTERPRET)
+        acc = acc * divide(s_prev, s_a, RCP, INTERPRET)[:, None]
         acc = tl.dot(aq, tl.trans(wd), acc)
         s_prev = s_a
     acc = acc * s_prev[:, None]

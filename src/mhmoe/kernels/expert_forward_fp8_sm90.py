@@ -60,9 +60,9 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .expert_forward_sm90 import (
     _combine_half,
+    _divide,
     _half_rows,
     _idle,
-    _rcp_approx,
     _release,
     _swiglu7_fp32,
     _tile_rows0,
@@ -125,22 +125,13 @@ def _w_loader(wg_desc, wu_desc, wd_desc, sg_desc, su_desc, stages, scales, ready
 
 
 @gluon.jit
-def _over(v, s, RCP: gl.constexpr):
-    """`expert_forward_fp8._over` in Gluon (v / s)."""
-    if RCP:
-        return v * _rcp_approx(s)
-    else:
-        return v / s
-
-
-@gluon.jit
 def _quantize_x(xs, xq, g_layout: gl.constexpr, RCP: gl.constexpr):
     """The warpgroup's 64 bf16 x rows (xs) as e4m3 in xq, each row scaled by its own
     s_x = max(amax, floor) / 448; returns s_x (rows of g_layout)."""
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
     x = xs.load(layout).to(gl.float32)
     s_x = gl.maximum(gl.max(gl.abs(x), axis=1), _AMAX_FLOOR) / _FP8_MAX
-    xq.store(_over(x, s_x[:, None], RCP).to(gl.float8e4nv))
+    xq.store(_divide(x, s_x[:, None], RCP).to(gl.float8e4nv))
     # Generic-proxy stores, read next by wgmma (the async proxy).
     fence_async_shared()
     return gl.convert_layout(s_x, gl.SliceLayout(1, g_layout))
@@ -193,11 +184,11 @@ def _activation(gu, s_x, scales, empty, held, aq, acc, s_prev, NSTAGE: gl.conste
     su = scales.index(2 * slot + 1).load(g_layout)
     a = _swiglu7_fp32(g * s_x[:, None] * sg, u * s_x[:, None] * su, RCP)
     s_a = gl.maximum(gl.max(gl.abs(a), axis=1), _AMAX_FLOOR) / _FP8_MAX
-    aq.store(_over(a, s_a[:, None], RCP).to(gl.float8e4nv))
+    aq.store(_divide(a, s_a[:, None], RCP).to(gl.float8e4nv))
     fence_async_shared()
     _release(empty, held, NSTAGE)
     s_a = gl.convert_layout(s_a, s_prev.type.layout)
-    return acc * _over(s_prev, s_a, RCP)[:, None], s_a
+    return acc * _divide(s_prev, s_a, RCP)[:, None], s_a
 
 
 @gluon.jit

@@ -332,19 +332,17 @@ def _swiglu7_fp32(g, u, RCP: gl.constexpr = False):
     RCP: swiglu7_tile's)."""
     g = gl.minimum(g, 7.0)
     u = gl.minimum(gl.maximum(u, -7.0), 7.0)
-    y = 1.0 + gl.exp2(-2.4554669595930157 * g)
-    if RCP:
-        silu = g * _rcp_approx(y)
-    else:
-        silu = gl.fdiv(g, y)
-    return silu * (u + 1.0)
+    return _divide(g, 1.0 + gl.exp2(-2.4554669595930157 * g), RCP) * (u + 1.0)
 
 
 @gluon.jit
-def _rcp_approx(y):
-    """`expert_forward.rcp_approx` in Gluon."""
-    return gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [y],
-                                     dtype=gl.float32, is_pure=True, pack=1)
+def _divide(num, den, RCP: gl.constexpr):
+    """`expert_forward.divide` in Gluon (GPU only: no interpreter)."""
+    if RCP:
+        return num * gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [den],
+                                               dtype=gl.float32, is_pure=True, pack=1)
+    else:
+        return gl.fdiv(num, den)
 
 
 @gluon.jit

@@ -59,6 +59,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .expert_forward_sm90 import (
+    _divide,
     _gate_up_first,
     _gate_up_rest,
     _idle,
@@ -153,12 +154,7 @@ def _swiglu7_backward(g, u, t, p, RCP: gl.constexpr):
     da = t * p[:, None]
     gc = gl.minimum(g, 7.0)
     uc1 = gl.minimum(gl.maximum(u, -7.0), 7.0) + 1.0
-    y = 1.0 + gl.exp2(-2.4554669595930157 * gc)
-    if RCP:
-        sig = gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [y],
-                                        dtype=gl.float32, is_pure=True, pack=1)
-    else:
-        sig = gl.fdiv(gl.full_like(gc, 1.0), y)
+    sig = _divide(gl.full_like(gc, 1.0), 1.0 + gl.exp2(-2.4554669595930157 * gc), RCP)
     silu = gc * sig
     a = silu * uc1
     dg = da * uc1 * (sig + 1.702 * silu * (1.0 - sig))
