@@ -503,13 +503,8 @@ def test_forward_sigmoid_rcp_gives_the_divisions_results(S, H, E, K, I, edge, mo
                                     cluster=2),
                 ExpertForwardConfig(64, 32, 4, 4)):
         rcp = dc.replace(cfg, sigmoid_rcp=True)
-        for det in (True, False):
-            want = ef.triton_expert_forward(x, *layout, *w, deterministic=det, config=cfg)
-            got = ef.triton_expert_forward(x, *layout, *w, deterministic=det, config=rcp)
-            if det:
-                assert torch.equal(got, want), (edge, cfg, rel_err(got, want))
-            else:  # atomic adds in any order
-                assert rel_err(got, want) < 1e-4, (edge, cfg)
+        assert_same_outputs(lambda c, det: ef.triton_expert_forward(
+            x, *layout, *w, deterministic=det, config=c), cfg, rcp, edge)
         division = ef.triton_expert_forward(flush_x, *layout, *flush_w, config=cfg)
         flushed = ef.triton_expert_forward(flush_x, *layout, *flush_w, config=rcp)
         assert torch.count_nonzero(flushed) == 0, (edge, cfg)
@@ -586,6 +581,18 @@ def compiled_ptx(fn) -> list[str]:
     """The PTX of every specialisation of the jit function `fn` this process compiled
     (Triton 3.6's JIT cache: device -> (kernels by key, ...))."""
     return [k.asm["ptx"] for caches in fn.device_caches.values() for k in caches[0].values()]
+
+
+def assert_same_outputs(run, cfg, variant, label):
+    """run(config, deterministic) -> output: `variant`'s outputs are `cfg`'s, bitwise in
+    deterministic mode and within rounding in the default one (atomic adds in any
+    order)."""
+    for det in (True, False):
+        want, got = run(cfg, det), run(variant, det)
+        if det:
+            assert torch.equal(got, want), (label, cfg, rel_err(got, want))
+        else:
+            assert rel_err(got, want) < 1e-4, (label, cfg)
 
 
 def panel_case(S, H, E, K, I, edge, monkeypatch):
@@ -877,15 +884,9 @@ def test_fp8_reciprocals_give_the_divisions_results(S, H, E, K, I, edge, monkeyp
     layout = mhmoe.sort_routes(probs, scores.topk(K, dim=-1).indices, E)
     for cfg in (tuning.Fp8ForwardConfig(128, 64, 4, 1, warp_specialized=True),
                 tuning.Fp8ForwardConfig(64, 64, 4, 3)):
-        for det in (True, False):
-            want = triton_expert_forward_fp8(x, *layout, *k_major, deterministic=det,
-                                             config=cfg)
-            got = triton_expert_forward_fp8(x, *layout, *k_major, deterministic=det,
-                                            config=dataclasses.replace(cfg, reciprocals=True))
-            if det:
-                assert torch.equal(got, want), (edge, cfg, rel_err(got, want))
-            else:  # atomic adds in any order
-                assert rel_err(got, want) < 1e-4, (edge, cfg)
+        assert_same_outputs(lambda c, det: triton_expert_forward_fp8(
+            x, *layout, *k_major, deterministic=det, config=c),
+            cfg, dataclasses.replace(cfg, reciprocals=True), edge)
     # Equal outputs would also come from the option lost on its way (no output shows the
     # sigmoid's flush after the activation's quantization): both kernels must have a
     # specialisation with the reciprocal.
