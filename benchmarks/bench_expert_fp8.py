@@ -1,7 +1,7 @@
 """The fp8 expert forward against the bf16 one, side by side, MAGI-2 dims, one GPU.
 
     PYTHONPATH=src python3 benchmarks/bench_expert_fp8.py [--tokens 1024,32768] [--reciprocals]
-        [--no-record]
+        [--tiles "64/64/4/2;64/64/8/2"] [--no-record]
 
 For each token count: uniform random routes (top-6 of 256 per head), bf16 Gaussian
 weights and their fp8 quantization (mhmoe.fp8); the bf16 kernel, the fp8 kernel at its
@@ -11,6 +11,8 @@ error against the bf16 kernel's and, on the first 64 experts,
 against the float64 twin of the quantized computation. The bf16 8192^3 matmul is
 measured in the same run. --reciprocals: each fp8 kernel also with
 `Fp8ForwardConfig.reciprocals`, in the same rounds (docs/fp8.md, "Reciprocals").
+--tiles: the Triton fp8 kernel also at these block_m/block_i/num_warps/num_stages, in the
+same rounds (block_i must be the scheme's ACT_BLOCK, 64).
 """
 
 from __future__ import annotations
@@ -37,13 +39,23 @@ from mhmoe.kernels.tuning import Fp8ForwardConfig, fp8_forward_config
 from mhmoe.reference import sort_routes_reference
 
 
+def parse_tiles(spec: str) -> Fp8ForwardConfig:
+    """'64/64/4/2' -> the Triton fp8 kernel at block_m/block_i/num_warps/num_stages."""
+    try:
+        return Fp8ForwardConfig(*(int(v) for v in spec.split("/", 3)))
+    except (TypeError, ValueError) as e:
+        raise SystemExit(f"--tiles: '{spec}' is not m/i/w/s tiles the kernel takes: {e}") from None
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="1024,32768")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--reciprocals", action="store_true")
+    ap.add_argument("--tiles", default="", help="Triton fp8 tiles m/i/w/s, ';'-separated")
     ap.add_argument("--no-record", action="store_true")
     args = ap.parse_args()
+    tiles = [parse_tiles(t) for t in args.tiles.split(";") if t]
     dev = torch.device("cuda")
     H, E, K, D, I = M.num_heads, M.num_experts, M.top_k, M.head_dim, M.expert_intermediate_size
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -64,6 +76,7 @@ def main() -> int:
         modes = {"default": fp8_forward_config(dev, S * K / E)}
         if torch.cuda.get_device_capability(dev) == (9, 0):
             modes["ws"] = Fp8ForwardConfig(128, 64, 4, 1, warp_specialized=True)
+        modes.update({f"{c.block_m}/{c.block_i}/{c.num_warps}/{c.num_stages}": c for c in tiles})
         if args.reciprocals:
             modes.update({f"{name} rcp": dataclasses.replace(c, reciprocals=True)
                           for name, c in list(modes.items())})

@@ -14,7 +14,7 @@ import sys
 
 TOOLS = os.path.join(os.path.dirname(__file__), "..", "tools")
 sys.path.insert(0, TOOLS)
-from sass_audit import register_a_hazards  # noqa: E402
+from sass_audit import register_a_hazards, schedule, static_cycles, wgmma_loops  # noqa: E402
 
 
 def _compiled(*args: str, timeout: int = 600) -> str:
@@ -67,6 +67,61 @@ def test_walk_accepts_waits_that_retire_the_group_first():
     early.insert(3, "IMAD.MOV.U32 R155, RZ, RZ, R7")
     assert [(h["addr"], h["registers"]) for h in register_a_hazards(_sass(*early))[1]] == \
         [("0x30", [155])]
+
+
+def _scheduled(*rows: tuple) -> str:
+    """cuobjdump -sass text with encodings: (instruction, stall, write_sb, read_sb, wait)
+    per row, the schedule in bits 41-62 of the second word (yield set)."""
+    out = []
+    for n, (ins, stall, wsb, rsb, wait) in enumerate(rows):
+        hi = (stall | 1 << 4 | wsb << 5 | rsb << 8 | wait << 11) << 41
+        out.append(f"        /*{16 * n:04x}*/                   {ins} ;"
+                   f"                   /* 0x000000ff00007820 */\n"
+                   f"                                          /* 0x{hi:016x} */")
+    return "\n".join(out)
+
+
+def test_schedule_reads_the_control_bits_of_real_sass():
+    # Two instructions as cuobjdump printed them for the fp8 Gluon kernel (sm_90a): an
+    # FMNMX with 2 stall cycles and no scoreboard; one that waits for scoreboard 1.
+    text = ("        /*1220*/                   FMNMX R3, |R44|, R3, !PT ;"
+            "                                           /* 0x000000032c037209 */\n"
+            "                                                                  "
+            "                                      /* 0x000fc40007800200 */\n"
+            "        /*1260*/                   FMNMX R30, R67, R30, !PT ;"
+            "                                           /* 0x0000001e431e7209 */\n"
+            "                                                                  "
+            "                                      /* 0x002fe20007800000 */")
+    rows = schedule(text)
+    assert [(r["addr"], r["stall"], r["yield"], r["write_sb"], r["read_sb"], r["wait"])
+            for r in rows] == [(0x1220, 2, 0, 7, 7, 0), (0x1260, 1, 1, 7, 7, 0b10)]
+
+
+def test_static_cycles_waits_for_scoreboards_and_counts_stalls():
+    body = schedule(_scheduled(
+        ("MUFU.EX2 R4, R2", 1, 0, 7, 0),         # t=0, result on scoreboard 0 at 18
+        ("FMUL R5, R3, R3", 4, 7, 7, 0),         # t=1
+        ("FMUL R6, R4, R5", 2, 7, 7, 0b1),       # waits for the MUFU: t=18
+        ("STS [R0], R6", 1, 7, 2, 0),            # t=20, sources read at 28
+        ("IADD3 R0, R0, 0x4, RZ", 3, 7, 7, 0b100),  # waits for the store's read: t=28
+    ))
+    assert static_cycles(body) == 28 + 3
+    assert static_cycles(body, read_latency=1) == 21 + 3
+
+
+def test_wgmma_loops_are_the_innermost_loops_holding_one():
+    text = _scheduled(
+        ("IADD3 R1, R1, 0x1, RZ", 1, 7, 7, 0),                         # 0x00 outer loop top
+        ("HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], R24, gsb0", 1, 7, 7, 0),  # 0x10 inner top
+        ("WARPGROUP.DEPBAR.LE gsb0, 0x0", 1, 7, 7, 0),
+        ("@P0 BRA 0x10", 5, 7, 7, 0),                                   # 0x30: inner loop
+        ("ISETP.GE.AND P1, PT, R1, 0x8, PT", 1, 7, 7, 0),
+        ("@!P1 BRA 0x0", 5, 7, 7, 0),                                   # 0x50: outer loop
+        ("FADD R2, R2, R3", 1, 7, 7, 0),                                # 0x60: no wgmma
+        ("@P2 BRA 0x60", 5, 7, 7, 0),
+    )
+    assert wgmma_loops(text) == [{"addr": "0x10", "instructions": 3, "wgmmas": 1,
+                                  "issue_cycles": 7, "static_cycles": 7}]
 
 
 def test_compiled_sm90_kernels_have_no_register_a_hazards():
@@ -152,6 +207,18 @@ def test_compiled_sm90_kernels_have_no_register_a_hazards():
                  "expert forward 64/32/4/4"):
         assert bf16[name]["division_range_checks"] > 0, bf16
         assert bf16[f"{name} sigmoid_rcp"]["division_range_checks"] == 0, bf16
+    # The MMA warpgroups' loops over slices of I, scheduled by ptxas (`wgmma_loops`,
+    # compile-only): both variants of the panel kernel and of the fp8 Gluon forward have
+    # two (one an MMA warpgroup) with the block's wgmmas, and the variants' loops issue in
+    # fewer cycles than the defaults' (docs/expert-backward.md, docs/fp8.md).
+    for default, variant, wgmmas in (
+            ("expert panels ws (Gluon)", "expert panels ws (Gluon) rcp, 8-byte stores", 32),
+            ("expert forward fp8 ws (Gluon)", "expert forward fp8 ws (Gluon) reciprocals", 10)):
+        loops = {name: {**panels, **fp8}[name]["loops"] for name in (default, variant)}
+        assert all(len(v) == 2 and all(lp["wgmmas"] == wgmmas for lp in v)
+                   for v in loops.values()), loops
+        assert max(lp["issue_cycles"] for lp in loops[variant]) < \
+            min(lp["issue_cycles"] for lp in loops[default]), loops
     # dx from the panels: one N = 256 product a step of 64, in two loops (gate, then up),
     # each keeping a wgmma in flight across its steps; both modes.
     for r in (r for r in shipped if r["kernel"].startswith("panel dx")):

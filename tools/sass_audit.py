@@ -176,6 +176,80 @@ def reciprocals(sass: str) -> dict:
             "division_range_checks": len(_DIVISION_RANGE_CHECK.findall(sass))}
 
 
+# Scheduling. Each 128-bit sm_70+ instruction carries its schedule in bits 105-125, the
+# top of the second 64-bit word that cuobjdump prints on the line below it: stall cycles
+# before the next instruction of the warp may issue (4 bits), a yield flag, the
+# scoreboard the instruction releases when its result is written (3 bits, 7: none), the
+# one it releases when its sources have been read (3 bits), the scoreboards it waits for
+# (6-bit mask) and operand-reuse flags. The layout is the one micro-benchmark studies
+# published for Volta to Ampere; sm_90 SASS reads consistently with it (only
+# variable-latency instructions, MUFU, SHFL, loads, SYNCS, conversions, set scoreboards).
+_WITH_SCHEDULE = re.compile(r"/\*([0-9a-f]+)\*/\s+(.*?)\s*;\s*/\* 0x[0-9a-f]{16} \*/\s*\n"
+                            r"\s*/\* 0x([0-9a-f]{16}) \*/")
+# Latencies assumed for the variable-latency instructions (cycles, first-order figures for
+# an SM under no contention: hits in L1 or shared memory); a SYNCS wait counts as if the
+# barrier were already complete, a wgmma wait as if the wgmma had retired.
+_ASSUMED_LATENCY = {"MUFU": 18, "SHFL": 28, "LDS": 30, "LDSM": 30, "LDL": 40, "LDG": 600,
+                    "LDC": 20, "S2R": 20, "S2UR": 20, "SYNCS": 40, "F2F": 12, "F2I": 12,
+                    "I2F": 12}
+
+
+def schedule(sass: str) -> list[dict]:
+    """Per instruction of SASS text printed with its encoding (cuobjdump -sass): addr, ins,
+    stall, yield, write_sb, read_sb (7: none) and wait (scoreboard mask)."""
+    rows = []
+    for m in _WITH_SCHEDULE.finditer(sass):
+        ctl = int(m.group(3), 16) >> 41
+        rows.append({"addr": int(m.group(1), 16), "ins": m.group(2), "stall": ctl & 0xF,
+                     "yield": ctl >> 4 & 1, "write_sb": ctl >> 5 & 7, "read_sb": ctl >> 8 & 7,
+                     "wait": ctl >> 11 & 0x3F})
+    return rows
+
+
+def static_cycles(body: list[dict], read_latency: int = 8) -> int:
+    """Cycles one warp takes to issue `body` (rows of `schedule`) straight through, alone
+    on its SM sub-partition: each instruction issues its predecessor's stall count after
+    it, and not before the scoreboards it waits for are released (results after
+    `_ASSUMED_LATENCY`, 20 cycles for others; sources after read_latency)."""
+    t = 0
+    released = [0] * 6
+    for n, row in enumerate(body):
+        if n:
+            t += max(body[n - 1]["stall"], 1)
+        t = max([t] + [released[b] for b in range(6) if row["wait"] >> b & 1])
+        op = _opcode_and_operands(row["ins"])[0].split(".")[0]
+        if row["write_sb"] != 7:
+            released[row["write_sb"]] = t + _ASSUMED_LATENCY.get(op, 20)
+        if row["read_sb"] != 7:
+            released[row["read_sb"]] = max(released[row["read_sb"]], t + read_latency)
+    return t + max(body[-1]["stall"], 1) if body else 0
+
+
+def wgmma_loops(sass: str) -> list[dict]:
+    """The innermost loops (branches backwards) holding a wgmma, in address order: in the
+    persistent Gluon kernels, each MMA warpgroup's loop over slices of I. Per loop: addr,
+    instructions, wgmmas, issue_cycles (its stall counts summed) and static_cycles
+    (`static_cycles`). A compile-only reading of how long one warp needs to get through a
+    slice when nothing makes it wait (other warps, the tensor cores, barriers); not a
+    measurement."""
+    rows = schedule(sass)
+    loops = []
+    for end in rows:
+        m = _BACK_BRANCH.match(end["ins"])
+        if not m or int(m.group(1), 16) >= end["addr"]:
+            continue
+        top = int(m.group(1), 16)
+        body = [r for r in rows if top <= r["addr"] <= end["addr"]]
+        n = sum(1 for r in body if _WGMMA.search(r["ins"]))
+        if n:
+            loops.append((top, end["addr"], body, n))
+    inner = [lp for lp in loops if not any(lp[0] <= o[0] and o[1] <= lp[1] and o != lp
+                                           for o in loops)]
+    return [{"addr": hex(top), "instructions": len(body), "wgmmas": n,
+             "issue_cycles": sum(max(r["stall"], 1) for r in body),
+             "static_cycles": static_cycles(body)} for top, _, body, n in sorted(inner)]
+
+
 def _parse(sass: str) -> list[tuple[int, str]]:
     return [(int(m.group(1), 16), m.group(2)) for m in _INSTR.finditer(sass)]
 
@@ -282,8 +356,9 @@ def audit(progress=None) -> list[dict]:
     the waits that leave wgmma groups in flight (`WARPGROUP.DEPBAR.LE gsb0, N > 0`: none
     where ptxas serialised every wgmma, which it does when registers run short), and its
     global atomic adds (`combine_ops`), its wgmmas by kind and shape (`wgmma_shapes`) and
-    its register stores by width (`global_stores`; JSON keys are strings) and its
-    reciprocals and full-range divisions (`reciprocals`)."""
+    its register stores by width (`global_stores`; JSON keys are strings), its
+    reciprocals and full-range divisions (`reciprocals`) and its innermost loops with a
+    wgmma (`wgmma_loops`)."""
     rows = []
     for case in _cases():
         if progress:
@@ -294,7 +369,7 @@ def audit(progress=None) -> list[dict]:
         rows.append({"kernel": case.name, "hgmma_register_a": n_reg_a, "hazards": hazards,
                      "async_waits": async_waits(sass), **combine_ops(sass),
                      "wgmmas": wgmma_shapes(sass), "stores": global_stores(sass),
-                     **reciprocals(sass)})
+                     **reciprocals(sass), "loops": wgmma_loops(sass)})
     return rows
 
 
@@ -314,7 +389,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         for r in rows:
             verdict = f"{len(r['hazards'])} hazards" if r["hazards"] else "clean"
-            print(f"{r['kernel']:<58} register-A HGMMAs {r['hgmma_register_a']:>3}  {verdict}")
+            loops = "; ".join(f"{lp['instructions']} instr, {lp['issue_cycles']} issue /"
+                              f" {lp['static_cycles']} static cycles" for lp in r["loops"])
+            print(f"{r['kernel']:<58} register-A HGMMAs {r['hgmma_register_a']:>3}  {verdict}"
+                  + (f"  loops: {loops}" if loops else ""))
             for h in r["hazards"][:4]:
                 print(f"    {h['where']}: {h['addr']} {h['instruction']}")
     canary_ok = bool(rows[0]["hazards"])
