@@ -1,7 +1,7 @@
 """The fp8 expert forward against the bf16 one, side by side, MAGI-2 dims, one GPU.
 
     PYTHONPATH=src python3 benchmarks/bench_expert_fp8.py [--tokens 1024,32768] [--reciprocals]
-        [--tiles "64/64/4/2;64/64/8/2"] [--no-record]
+        [--tiles "64/64/4/2;64/64/8/2"] [--skip-empty] [--no-record]
 
 For each token count: uniform random routes (top-6 of 256 per head), bf16 Gaussian
 weights and their fp8 quantization (mhmoe.fp8); the bf16 kernel, the fp8 kernel at its
@@ -12,7 +12,8 @@ against the float64 twin of the quantized computation. The bf16 8192^3 matmul is
 measured in the same run. --reciprocals: each fp8 kernel also with
 `Fp8ForwardConfig.reciprocals`, in the same rounds (docs/fp8.md, "Reciprocals").
 --tiles: the Triton fp8 kernel also at these block_m/block_i/num_warps/num_stages, in the
-same rounds (block_i must be the scheme's ACT_BLOCK, 64).
+same rounds (block_i must be the scheme's ACT_BLOCK, 64). --skip-empty: the Gluon kernel
+also with `Fp8ForwardConfig.skip_empty_halves` (sm_90).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--reciprocals", action="store_true")
     ap.add_argument("--tiles", default="", help="Triton fp8 tiles m/i/w/s, ';'-separated")
+    ap.add_argument("--skip-empty", action="store_true")
     ap.add_argument("--no-record", action="store_true")
     args = ap.parse_args()
     tiles = [parse_tiles(t) for t in args.tiles.split(";") if t]
@@ -76,6 +78,9 @@ def main() -> int:
         modes = {"default": fp8_forward_config(dev, S * K / E)}
         if torch.cuda.get_device_capability(dev) == (9, 0):
             modes["ws"] = Fp8ForwardConfig(128, 64, 4, 1, warp_specialized=True)
+            if args.skip_empty:
+                modes["ws skip"] = Fp8ForwardConfig(128, 64, 4, 1, warp_specialized=True,
+                                                    skip_empty_halves=True)
         modes.update({f"{c.block_m}/{c.block_i}/{c.num_warps}/{c.num_stages}": c for c in tiles})
         if args.reciprocals:
             modes.update({f"{name} rcp": dataclasses.replace(c, reciprocals=True)
@@ -108,7 +113,8 @@ def main() -> int:
             if name == "bf16":
                 variant = "bf16"
             elif modes[name].warp_specialized:
-                variant = "fp8 ws (Gluon)"
+                variant = "fp8 ws (Gluon)" + (" skip empty halves"
+                                              if modes[name].skip_empty_halves else "")
             else:
                 c = modes[name]
                 variant = f"fp8 {c.block_m}/{c.block_i}/{c.num_warps}/{c.num_stages}"

@@ -897,6 +897,43 @@ def test_fp8_reciprocals_give_the_divisions_results(S, H, E, K, I, edge, monkeyp
         assert any("rcp.approx.ftz" in p for p in compiled_ptx(kernel)), kernel
 
 
+@pytest.mark.parametrize("S,H,E,K,I,edge", [
+    (1100, 2, 8, 4, 64, "last tiles of 64 rows or fewer, one slice of I"),
+    (8192, 2, 8, 4, 64, "about 4 tiles a program, some halves empty (phases across tiles)"),
+    (1024, 12, 256, 6, 1280, "MAGI-2 at 1,024 tokens: every tile's second half empty"),
+])
+def test_fp8_gluon_skip_empty_halves_gives_the_same_outputs(S, H, E, K, I, edge,
+                                                            monkeypatch):
+    # Fp8ForwardConfig.skip_empty_halves: where warpgroup 1's half of a tile holds no
+    # route it only keeps the ring, the turns and the x hand-off in step. Every route's
+    # result is the same, bitwise in deterministic mode, and no tile sequence hangs; the
+    # launches are seen to ask for the option (equal outputs alone would not show it).
+    import mhmoe.kernels.expert_forward_fp8_sm90 as g8
+    import mhmoe.kernels.tuning as tuning
+    from mhmoe.fp8 import quantize_weights
+    from mhmoe.kernels.expert_forward_fp8 import triton_expert_forward_fp8
+
+    x, w, probs, scores, _ = gluon_case(S, H, E, K, I, edge, None, monkeypatch)
+    q = quantize_weights(*w)
+    k_major = (q.w_gate.transpose(1, 2), q.w_up.transpose(1, 2), q.w_down.transpose(1, 2),
+               q.gate_scale, q.up_scale, q.down_scale)
+    layout = mhmoe.sort_routes(probs, scores.topk(K, dim=-1).indices, E)
+    seen, options = [], g8.kernel_options
+
+    def spy(*args, **kwargs):
+        chosen = options(*args, **kwargs)
+        seen.append(chosen["SKIP"])
+        return chosen
+
+    monkeypatch.setattr(g8, "kernel_options", spy)
+    cfg = tuning.Fp8ForwardConfig(128, 64, 4, 1, warp_specialized=True)
+    assert_same_outputs(lambda c, det: triton_expert_forward_fp8(
+        x, *layout, *k_major, deterministic=det, config=c),
+        cfg, tuning.Fp8ForwardConfig(128, 64, 4, 1, warp_specialized=True,
+                                     skip_empty_halves=True), edge)
+    assert True in seen and False in seen, seen
+
+
 def test_fp8_magi2_layer_against_the_float64_bf16_layer(magi2_layer, magi2_fp8_layer):
     # The budget (docs/contract.md section 10, docs/fp8.md): relative error <= 6.5e-2 and
     # cosine >= 0.998 against the float64 evaluation of the bf16 layer it was quantized

@@ -164,7 +164,9 @@ def test_compiled_sm90_kernels_have_no_register_a_hazards():
     # last block), the same waits in flight in both modes, and the combine as the bf16
     # kernel's.
     fp8_ws = [r for r in shipped if r["kernel"].startswith("expert forward fp8 ws")]
-    assert len(fp8_ws) == 3, fp8_ws  # both modes, and the default one with reciprocals
+    # both modes, and the default one with reciprocals and with skip_empty_halves (whose
+    # warpgroup 1 has a path without wgmmas: the same wgmmas and waits)
+    assert len(fp8_ws) == 4, fp8_ws
     for r in fp8_ws:
         assert r["wgmmas"] == {"QGMMA.64x128x32": 32, "QGMMA.64x256x32": 8}, r
         assert r["async_waits"] >= 6, r

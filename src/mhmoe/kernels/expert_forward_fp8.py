@@ -195,7 +195,8 @@ def triton_expert_forward_fp8(
                     f"D = 256 and I a multiple of 64; got {x_heads.device}, {x_heads.dtype}/"
                     f"{wg_t.dtype}, D={D}, I={I}")
             # A table's choice: the Triton kernel at the row's tiles.
-            config = dataclasses.replace(config, warp_specialized=False)
+            config = dataclasses.replace(config, warp_specialized=False,
+                                         skip_empty_halves=False)
     y = torch.empty(S, H, D, dtype=x_heads.dtype, device=x_heads.device)
     if S == 0 or R == 0:
         return y.zero_()
@@ -215,7 +216,8 @@ def triton_expert_forward_fp8(
                              out, groups.slots, tile_expert, tile_first, total, config=sm90,
                              E=E, first_expert=h0 * E, first_head=h0, group_heads=g,
                              slot_base=h0 * S * groups.K, I=I, deterministic=deterministic,
-                             reciprocals=config.reciprocals)
+                             reciprocals=config.reciprocals,
+                             skip_empty_halves=config.skip_empty_halves)
             groups.finish(h0, g, out, interpret)
         return y
     bi = config.block_i

@@ -192,14 +192,41 @@ def _activation(gu, s_x, scales, empty, held, aq, acc, s_prev, NSTAGE: gl.conste
 
 
 @gluon.jit
+def _skip_half(W: gl.constexpr, stages, ready, empty, x_ready, x_empty, turn, n, blk, k,
+               D: gl.constexpr, I: gl.constexpr, NSTAGE: gl.constexpr):
+    """Half W of tile k when it holds no row (`Fp8ForwardConfig.skip_empty_halves`): no
+    wgmma, no SwiGLU, no combine; it hands its x buffer back and takes its turns and its
+    arrivals on the ring as `_mma_partition` would, each stage waited for before it is
+    released (an arrival before the stage is full could count towards its previous
+    fill). Returns (stages taken, turns taken) past the tile."""
+    NI: gl.constexpr = I // 64
+    NC: gl.constexpr = D // 128
+    mbarrier.wait(x_ready.index(W), k & 1)
+    mbarrier.arrive(x_empty.index(W), count=1)
+    # Block 0 takes the gate|up stages of slice 0, blocks 1 .. NI-1 the down stage of
+    # the slice before and the gate|up stages of their own, the last block a down stage.
+    for b in range(NI + 1):
+        mbarrier.wait(turn.index(W), (blk & 1) ^ (1 - W))
+        taken = NC if b == 0 else (1 if b == NI else NC + 1)
+        for c in range(taken):
+            _wait_stage(stages, ready, n + c, NSTAGE)
+            _release(empty, n + c, NSTAGE)
+        n += taken
+        mbarrier.arrive(turn.index(1 - W), count=1)
+        blk += 1
+    return n, blk
+
+
+@gluon.jit
 def _mma_partition(W: gl.constexpr, xs, xq, aqs, stages, scales, ready, empty, x_ready, x_empty,
                    turn, tile_expert_ptr, tile_first_ptr, offsets_ptr, ntiles_ptr,
                    gather_ids_ptr, probs_ptr, sd_ptr, out_ptr, slot_ptr, E, first_expert,
                    first_head, group_heads, slot_base, D: gl.constexpr, I: gl.constexpr,
-                   NSTAGE: gl.constexpr, DETERMINISTIC: gl.constexpr, RCP: gl.constexpr):
+                   NSTAGE: gl.constexpr, DETERMINISTIC: gl.constexpr, RCP: gl.constexpr,
+                   SKIP: gl.constexpr):
     """Rows W*64 .. W*64+63 of every tile of this program: the fp8 MLP of each route,
-    scaled by its probability, combined as `expert_forward.combine_rows` (RCP: the
-    kernel's)."""
+    scaled by its probability, combined as `expert_forward.combine_rows` (RCP, SKIP: the
+    kernel's; with SKIP, warpgroup 1 runs `_skip_half` where its half holds no row)."""
     NI: gl.constexpr = I // 64
     NC: gl.constexpr = D // 128
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -220,58 +247,63 @@ def _mma_partition(W: gl.constexpr, xs, xq, aqs, stages, scales, ready, empty, x
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         f, row0, end = _tile_rows0(t, tile_expert_ptr, tile_first_ptr, offsets_ptr,
                                    first_expert)
-        mbarrier.wait(x_ready.index(W), k & 1)
-        s_x = _quantize_x(xh, xqh, g_layout, RCP)
-        s_prev = gl.full([64], 1.0, gl.float32, rows_layout)
-        acc = gl.zeros([64, 256], gl.float32, acc_layout)
+        if SKIP and W == 1 and row0 + 64 >= end:
+            n, blk = _skip_half(W, stages, ready, empty, x_ready, x_empty, turn, n, blk, k, D,
+                                I, NSTAGE)
+            k += 1
+        else:
+            mbarrier.wait(x_ready.index(W), k & 1)
+            s_x = _quantize_x(xh, xqh, g_layout, RCP)
+            s_prev = gl.full([64], 1.0, gl.float32, rows_layout)
+            acc = gl.zeros([64, 256], gl.float32, acc_layout)
 
-        # Block 0: gate|up of slice 0. Warpgroup 0 takes the first turn of all (its
-        # barrier starts with phase 1 complete); then the two alternate.
-        mbarrier.wait(turn.index(W), (blk & 1) ^ (1 - W))
-        gu = _gate_up_first(xqh, stages, ready, n, NSTAGE, gu_layout)
-        gu, held = _gate_up_rest(xqh, stages, ready, empty, gu, n, D, NSTAGE)
-        n += NC
-        mbarrier.arrive(turn.index(1 - W), count=1)
-        gu = warpgroup_mma_wait(num_outstanding=0, deps=(gu,))
-        # Every thread of the warpgroup read its bf16 half before the wgmmas above.
-        mbarrier.arrive(x_empty.index(W), count=1)
-        acc, s_prev = _activation(gu, s_x, scales, empty, held, aq, acc, s_prev, NSTAGE,
-                                  g_layout, RCP)
-        blk += 1
-
-        for _j in range(1, NI):
-            # Block j: the down product of slice j-1, then gate|up of slice j.
+            # Block 0: gate|up of slice 0. Warpgroup 0 takes the first turn of all (its
+            # barrier starts with phase 1 complete); then the two alternate.
             mbarrier.wait(turn.index(W), (blk & 1) ^ (1 - W))
-            acc = _down(aq, stages, ready, n, acc, NSTAGE)
-            gu = _gate_up_first(xqh, stages, ready, n + 1, NSTAGE, gu_layout)
-            # The down wgmma retired (aq, its A operand, is free after this).
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-            _release(empty, n, NSTAGE)
-            gu, held = _gate_up_rest(xqh, stages, ready, empty, gu, n + 1, D, NSTAGE)
-            n += 1 + NC
+            gu = _gate_up_first(xqh, stages, ready, n, NSTAGE, gu_layout)
+            gu, held = _gate_up_rest(xqh, stages, ready, empty, gu, n, D, NSTAGE)
+            n += NC
             mbarrier.arrive(turn.index(1 - W), count=1)
-            gu, acc = warpgroup_mma_wait(num_outstanding=0, deps=(gu, acc))
+            gu = warpgroup_mma_wait(num_outstanding=0, deps=(gu,))
+            # Every thread of the warpgroup read its bf16 half before the wgmmas above.
+            mbarrier.arrive(x_empty.index(W), count=1)
             acc, s_prev = _activation(gu, s_x, scales, empty, held, aq, acc, s_prev, NSTAGE,
                                       g_layout, RCP)
             blk += 1
 
-        # The last block: the down product of the last slice.
-        mbarrier.wait(turn.index(W), (blk & 1) ^ (1 - W))
-        acc = _down(aq, stages, ready, n, acc, NSTAGE)
-        mbarrier.arrive(turn.index(1 - W), count=1)
-        sd = gl.load(sd_ptr + f * D + cols)
-        row_ok, prob, dst = _half_rows(row0 + W * 64, end, f, probs_ptr, slot_ptr,
-                                       gather_ids_ptr, E, first_head, group_heads, slot_base,
-                                       rows_layout, DETERMINISTIC)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        _release(empty, n, NSTAGE)
-        n += 1
-        blk += 1
-        k += 1
+            for _j in range(1, NI):
+                # Block j: the down product of slice j-1, then gate|up of slice j.
+                mbarrier.wait(turn.index(W), (blk & 1) ^ (1 - W))
+                acc = _down(aq, stages, ready, n, acc, NSTAGE)
+                gu = _gate_up_first(xqh, stages, ready, n + 1, NSTAGE, gu_layout)
+                # The down wgmma retired (aq, its A operand, is free after this).
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                _release(empty, n, NSTAGE)
+                gu, held = _gate_up_rest(xqh, stages, ready, empty, gu, n + 1, D, NSTAGE)
+                n += 1 + NC
+                mbarrier.arrive(turn.index(1 - W), count=1)
+                gu, acc = warpgroup_mma_wait(num_outstanding=0, deps=(gu, acc))
+                acc, s_prev = _activation(gu, s_x, scales, empty, held, aq, acc, s_prev, NSTAGE,
+                                          g_layout, RCP)
+                blk += 1
 
-        acc = acc * s_prev[:, None]
-        acc = acc * sd[None, :] * prob[:, None]
-        _combine_half(out_ptr + dst[:, None] * D + cols[None, :], acc, row_ok, DETERMINISTIC)
+            # The last block: the down product of the last slice.
+            mbarrier.wait(turn.index(W), (blk & 1) ^ (1 - W))
+            acc = _down(aq, stages, ready, n, acc, NSTAGE)
+            mbarrier.arrive(turn.index(1 - W), count=1)
+            sd = gl.load(sd_ptr + f * D + cols)
+            row_ok, prob, dst = _half_rows(row0 + W * 64, end, f, probs_ptr, slot_ptr,
+                                           gather_ids_ptr, E, first_head, group_heads, slot_base,
+                                           rows_layout, DETERMINISTIC)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            _release(empty, n, NSTAGE)
+            n += 1
+            blk += 1
+            k += 1
+
+            acc = acc * s_prev[:, None]
+            acc = acc * sd[None, :] * prob[:, None]
+            _combine_half(out_ptr + dst[:, None] * D + cols[None, :], acc, row_ok, DETERMINISTIC)
 
 
 @gluon.jit
@@ -285,14 +317,15 @@ def _expert_forward_fp8_sm90_kernel(
     E, first_expert, first_head, group_heads, slot_base,
     D: gl.constexpr, I: gl.constexpr, NSTAGE: gl.constexpr, DETERMINISTIC: gl.constexpr,
     MMA_REGS: gl.constexpr, LOAD_REGS: gl.constexpr, RCP: gl.constexpr = False,
+    SKIP: gl.constexpr = False,
 ):
     """Expert MLPs of the tiles of a head group, fp8 weights (see the module docstring).
 
     Launch grid: (programs,), persistent: program p takes tiles p, p + programs, ...
     below ntiles[0]. 4 warps (the default partition is MMA warpgroup 0) plus the
     workers. NSTAGE: stages of the weight ring; MMA_REGS, LOAD_REGS: registers a thread
-    of the MMA warpgroups and of the loaders' warpgroup (setmaxnreg). RCP:
-    `Fp8ForwardConfig.reciprocals`.
+    of the MMA warpgroups and of the loaders' warpgroup (setmaxnreg). RCP, SKIP:
+    `Fp8ForwardConfig.reciprocals`, `.skip_empty_halves`.
     """
     xs = gl.allocate_shared_memory(gl.bfloat16, [2, 64, D],
                                    gl.NVMMASharedLayout.get_default_for([64, D], gl.bfloat16))
@@ -324,12 +357,12 @@ def _expert_forward_fp8_sm90_kernel(
                           tile_expert_ptr, tile_first_ptr, offsets_ptr, ntiles_ptr,
                           gather_ids_ptr, probs_ptr, sd_ptr, out_ptr, slot_ptr, E,
                           first_expert, first_head, group_heads, slot_base, D, I, NSTAGE,
-                          DETERMINISTIC, RCP)),
+                          DETERMINISTIC, RCP, SKIP)),
         (_mma_partition, (1, xs, xq, aqs, stages, scales, ready, empty, x_ready, x_empty, turn,
                           tile_expert_ptr, tile_first_ptr, offsets_ptr, ntiles_ptr,
                           gather_ids_ptr, probs_ptr, sd_ptr, out_ptr, slot_ptr, E,
                           first_expert, first_head, group_heads, slot_base, D, I, NSTAGE,
-                          DETERMINISTIC, RCP)),
+                          DETERMINISTIC, RCP, SKIP)),
         (_w_loader, (wg_desc, wu_desc, wd_desc, sg_desc, su_desc, stages, scales, ready, empty,
                      tile_expert_ptr, ntiles_ptr, first_expert, D, I, NSTAGE)),
         (_x_loader, (x_ptr, stride_xs, stride_xh, gather_ids_ptr, xs, x_ready, x_empty,
@@ -369,17 +402,19 @@ def descriptors(wg_t: torch.Tensor, wu_t: torch.Tensor, wd_t: torch.Tensor,
 
 
 def kernel_options(config: Fp8ForwardSm90Config, D: int, I: int, deterministic: bool,
-                   reciprocals: bool = False) -> dict:
+                   reciprocals: bool = False, skip_empty_halves: bool = False) -> dict:
     """The constexprs of `_expert_forward_fp8_sm90_kernel` for these tiles and shapes
-    (reciprocals: `Fp8ForwardConfig.reciprocals`)."""
+    (reciprocals, skip_empty_halves: `Fp8ForwardConfig`'s)."""
     return dict(D=D, I=I, NSTAGE=config.num_stages, DETERMINISTIC=deterministic,
-                MMA_REGS=config.mma_regs, LOAD_REGS=config.load_regs, RCP=reciprocals)
+                MMA_REGS=config.mma_regs, LOAD_REGS=config.load_regs, RCP=reciprocals,
+                SKIP=skip_empty_halves)
 
 
 def launch_fp8_ws(x_heads, gather_ids, sorted_probs, offsets, descs, down_scale, out, slots,
                   tile_expert, tile_first, num_tiles, *, config: Fp8ForwardSm90Config, E: int,
                   first_expert: int, first_head: int, group_heads: int, slot_base: int,
-                  I: int, deterministic: bool, reciprocals: bool = False) -> None:
+                  I: int, deterministic: bool, reciprocals: bool = False,
+                  skip_empty_halves: bool = False) -> None:
     """One launch of `_expert_forward_fp8_sm90_kernel` for a head group (the launcher of
     expert_forward_fp8.py prepares the tile map of config.block_m rows, `descriptors` and
     `out`). Persistent: one program an SM."""
@@ -389,12 +424,13 @@ def launch_fp8_ws(x_heads, gather_ids, sorted_probs, offsets, descs, down_scale,
         x_heads, x_heads.stride(0), x_heads.stride(1), gather_ids, sorted_probs, offsets,
         tile_expert, tile_first, num_tiles, *descs, down_scale, out, slots, E, first_expert,
         first_head, group_heads, slot_base,
-        **kernel_options(config, x_heads.shape[2], I, deterministic, reciprocals),
+        **kernel_options(config, x_heads.shape[2], I, deterministic, reciprocals,
+                         skip_empty_halves),
         num_warps=config.num_warps, maxnreg=config.maxnreg)
 
 
 def sm90_signature(config: Fp8ForwardSm90Config, D: int, I: int, deterministic: bool,
-                   reciprocals: bool = False):
+                   reciprocals: bool = False, skip_empty_halves: bool = False):
     """(signature, constexprs) of `_expert_forward_fp8_sm90_kernel` as `launch_fp8_ws`
     calls it, for compiling it without a GPU (tools/sass_audit.py)."""
     from triton.runtime.jit import mangle_type
@@ -410,23 +446,25 @@ def sm90_signature(config: Fp8ForwardSm90Config, D: int, I: int, deterministic: 
            "sd_ptr": "*fp32", "out_ptr": "*fp32", "slot_ptr": "*i64", "E": "i32",
            "first_expert": "i32", "first_head": "i32", "group_heads": "i32",
            "slot_base": "i32"}
-    return sig, kernel_options(config, D, I, deterministic, reciprocals)
+    return sig, kernel_options(config, D, I, deterministic, reciprocals, skip_empty_halves)
 
 
 def sm90_compile_cases() -> list:
-    """This kernel in both modes, and with `Fp8ForwardConfig.reciprocals`, as the launcher
-    compiles it (`mhmoe.kernels.CompileCase`; MAGI-2's dims)."""
+    """This kernel in both modes, and with `Fp8ForwardConfig.reciprocals` and with
+    `.skip_empty_halves`, as the launcher compiles it (`mhmoe.kernels.CompileCase`;
+    MAGI-2's dims)."""
     from ..config import MAGI2_PREVIEW as M
     from . import CompileCase
 
     config = fp8_forward_sm90_config()
     D, I = M.head_dim, M.expert_intermediate_size
     cases = []
-    for det, rcp in ((False, False), (True, False), (False, True)):
-        sig, cx = sm90_signature(config, D, I, det, rcp)
+    for det, rcp, skip in ((False, False, False), (True, False, False), (False, True, False),
+                           (False, False, True)):
+        sig, cx = sm90_signature(config, D, I, det, rcp, skip)
         cases.append(CompileCase(
             f"expert forward fp8 ws (Gluon){' deterministic' if det else ''}"
-            f"{' reciprocals' if rcp else ''}",
+            f"{' reciprocals' if rcp else ''}{' skip empty halves' if skip else ''}",
             _expert_forward_fp8_sm90_kernel, sig, cx, config.num_warps, 1,
             ("stride_xs", "stride_xh"), config.maxnreg))
     return cases

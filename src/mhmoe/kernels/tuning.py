@@ -345,6 +345,12 @@ class Fp8ForwardConfig:
                 quantization makes zero either way). The interpreter divides (the
                 scales) and emulates the sigmoid's flush. Measurements: docs/fp8.md
                 ("Reciprocals").
+    skip_empty_halves: with warp_specialized only: the Gluon kernel's second MMA
+                warpgroup does nothing but keep the ring and the turns in step where
+                its 64 rows of a tile hold no route (every tile at 64 routes an expert
+                or fewer, an expert's last tile of 64 or fewer above): no wgmma, SwiGLU
+                or combine on padding rows. The routes' results are the same. Off
+                until a GPU has timed it (docs/fp8.md, "What would close it").
     """
 
     block_m: int
@@ -353,9 +359,13 @@ class Fp8ForwardConfig:
     num_stages: int
     warp_specialized: bool = False
     reciprocals: bool = False
+    skip_empty_halves: bool = False
 
     def __post_init__(self) -> None:
         check_tiles(self, ("block_m", "block_i"))
+        if self.skip_empty_halves and not self.warp_specialized:
+            raise ValueError("Fp8ForwardConfig.skip_empty_halves is an option of the Gluon "
+                             "kernel: set warp_specialized=True with it")
         from ..fp8 import ACT_BLOCK
 
         if self.block_i != ACT_BLOCK:
