@@ -429,6 +429,23 @@ def gluon_case(S, H, E, K, I, edge, group_bytes, monkeypatch):
     return x, w, probs, scores, gen
 
 
+def k_major(q):
+    """The fp8 kernels' weight arguments from `quantize_weights`'s result: W_gate, W_up
+    and W_down K-major (transposed views), then the three channel scales."""
+    return (q.w_gate.transpose(1, 2), q.w_up.transpose(1, 2), q.w_down.transpose(1, 2),
+            q.gate_scale, q.up_scale, q.down_scale)
+
+
+def fp8_gluon_case(S, H, E, K, I, edge, group_bytes, monkeypatch):
+    """`gluon_case`'s problem with its weights quantized: (x, the fp8 kernels' weight
+    arguments, the route layout)."""
+    from mhmoe.fp8 import quantize_weights
+
+    x, w, probs, scores, _ = gluon_case(S, H, E, K, I, edge, group_bytes, monkeypatch)
+    layout = mhmoe.sort_routes(probs, scores.topk(K, dim=-1).indices, E)
+    return x, k_major(quantize_weights(*w)), layout
+
+
 @pytest.mark.parametrize("S,H,E,K,I,edge,group_bytes", [
     (300, 2, 8, 2, 192, "tiles ending inside an expert's rows", None),
     (200, 2, 4, 2, 64, "one slice of I: no middle blocks", None),
@@ -781,8 +798,7 @@ def test_fp8_kernel_against_its_float64_twin_at_magi2_dims(S, edge):
     idx = torch.argsort(torch.rand(H, S, E, device="cuda", generator=gen), dim=-1)[..., :K]
     probs = torch.rand(H, S, K, device="cuda", generator=gen)
     layout = sort_routes_reference(probs, idx, E)
-    k_major = (q.w_gate.transpose(1, 2), q.w_up.transpose(1, 2), q.w_down.transpose(1, 2),
-               q.gate_scale, q.up_scale, q.down_scale)
+    weights = k_major(q)
     # The default (the table's choice: the Gluon kernel above 96 routes an expert) and the
     # Triton kernel at the table's tiles, which also runs where the Gluon one cannot.
     import mhmoe.kernels.tuning as tuning
@@ -792,7 +808,7 @@ def test_fp8_kernel_against_its_float64_twin_at_magi2_dims(S, edge):
                                              table.num_stages)]
     for config in configs:
         for deterministic in (False, True):
-            y = triton_expert_forward_fp8(x, *layout, *k_major, deterministic=deterministic,
+            y = triton_expert_forward_fp8(x, *layout, *weights, deterministic=deterministic,
                                           config=config)
             assert torch.isfinite(y).all(), (edge, deterministic, config)
     gather_ids, sorted_probs, offsets = layout
@@ -802,7 +818,7 @@ def test_fp8_kernel_against_its_float64_twin_at_magi2_dims(S, edge):
     twin = fp8_expert_reference(x[:, :1], *sub, Fp8Weights(*(t[:E] for t in q)))
     for config in configs:
         for deterministic in (False, True):
-            mine = triton_expert_forward_fp8(x[:, :1], *sub, *(t[:E] for t in k_major),
+            mine = triton_expert_forward_fp8(x[:, :1], *sub, *(t[:E] for t in weights),
                                              deterministic=deterministic, config=config)
             assert rel_err(mine, twin) < 1e-2, (edge, deterministic, config)
 
@@ -831,33 +847,32 @@ def test_gluon_fp8_kernel_equals_the_triton_fp8_kernel(S, H, E, K, I, edge, grou
 
     x, w, probs, scores, gen = gluon_case(S, H, E, K, I, edge, group_bytes, monkeypatch)
     q = quantize_weights(*w)
-    k_major = (q.w_gate.transpose(1, 2), q.w_up.transpose(1, 2), q.w_down.transpose(1, 2),
-               q.gate_scale, q.up_scale, q.down_scale)
+    weights = k_major(q)
     layout = mhmoe.sort_routes(probs, scores.topk(K, dim=-1).indices, E)
     ws_cfg = tuning.Fp8ForwardConfig(128, 64, 4, 1, warp_specialized=True)
-    ws_det = [triton_expert_forward_fp8(x, *layout, *k_major, deterministic=True,
+    ws_det = [triton_expert_forward_fp8(x, *layout, *weights, deterministic=True,
                                         config=ws_cfg) for _ in range(2)]
-    ws = triton_expert_forward_fp8(x, *layout, *k_major, config=ws_cfg)
+    ws = triton_expert_forward_fp8(x, *layout, *weights, config=ws_cfg)
     assert torch.isfinite(ws_det[0]).all() and torch.isfinite(ws).all(), edge
     assert torch.equal(ws_det[0], ws_det[1]), edge
     assert rel_err(ws, ws_det[0]) < 1e-4, edge
     perm = torch.randperm(S, device="cuda", generator=gen)
     layout_p = mhmoe.sort_routes(probs[:, perm], scores[:, perm].topk(K, dim=-1).indices, E)
-    y_p = triton_expert_forward_fp8(x[perm], *layout_p, *k_major, deterministic=True,
+    y_p = triton_expert_forward_fp8(x[perm], *layout_p, *weights, deterministic=True,
                                     config=ws_cfg)
     assert torch.equal(y_p, ws_det[0][perm]), edge
     gather_ids, sorted_probs, offsets = layout
     n = int(offsets[E])
     sub = (gather_ids[:n], sorted_probs[:n], offsets[:E + 1])
     twin = fp8_expert_reference(x[:, :1], *sub, Fp8Weights(*(t[:E] for t in q)))
-    mine = triton_expert_forward_fp8(x[:, :1], *sub, *(t[:E] for t in k_major), config=ws_cfg)
+    mine = triton_expert_forward_fp8(x[:, :1], *sub, *(t[:E] for t in weights), config=ws_cfg)
     assert rel_err(mine, twin) < 1e-2, edge
     # The Triton kernel at the table's tiles, named: the table itself picks the Gluon
     # kernel above 96 routes an expert.
     tri_cfg = tuning.fp8_forward_config(x.device, layout.gather_ids.numel() / (H * E))
     tri_cfg = tuning.Fp8ForwardConfig(tri_cfg.block_m, tri_cfg.block_i, tri_cfg.num_warps,
                                       tri_cfg.num_stages)
-    tri = triton_expert_forward_fp8(x, *layout, *k_major, deterministic=True, config=tri_cfg)
+    tri = triton_expert_forward_fp8(x, *layout, *weights, deterministic=True, config=tri_cfg)
     assert torch.equal(ws_det[0], tri), (edge, rel_err(ws_det[0], tri))
 
 
@@ -874,18 +889,13 @@ def test_fp8_reciprocals_give_the_divisions_results(S, H, E, K, I, edge, monkeyp
     import dataclasses
 
     import mhmoe.kernels.tuning as tuning
-    from mhmoe.fp8 import quantize_weights
     from mhmoe.kernels.expert_forward_fp8 import triton_expert_forward_fp8
 
-    x, w, probs, scores, _ = gluon_case(S, H, E, K, I, edge, None, monkeypatch)
-    q = quantize_weights(*w)
-    k_major = (q.w_gate.transpose(1, 2), q.w_up.transpose(1, 2), q.w_down.transpose(1, 2),
-               q.gate_scale, q.up_scale, q.down_scale)
-    layout = mhmoe.sort_routes(probs, scores.topk(K, dim=-1).indices, E)
+    x, weights, layout = fp8_gluon_case(S, H, E, K, I, edge, None, monkeypatch)
     for cfg in (tuning.Fp8ForwardConfig(128, 64, 4, 1, warp_specialized=True),
                 tuning.Fp8ForwardConfig(64, 64, 4, 3)):
         assert_same_outputs(lambda c, det: triton_expert_forward_fp8(
-            x, *layout, *k_major, deterministic=det, config=c),
+            x, *layout, *weights, deterministic=det, config=c),
             cfg, dataclasses.replace(cfg, reciprocals=True), edge)
     # Equal outputs would also come from the option lost on its way (no output shows the
     # sigmoid's flush after the activation's quantization): both kernels must have a
@@ -910,14 +920,9 @@ def test_fp8_gluon_skip_empty_halves_gives_the_same_outputs(S, H, E, K, I, edge,
     # launches are seen to ask for the option (equal outputs alone would not show it).
     import mhmoe.kernels.expert_forward_fp8_sm90 as g8
     import mhmoe.kernels.tuning as tuning
-    from mhmoe.fp8 import quantize_weights
     from mhmoe.kernels.expert_forward_fp8 import triton_expert_forward_fp8
 
-    x, w, probs, scores, _ = gluon_case(S, H, E, K, I, edge, None, monkeypatch)
-    q = quantize_weights(*w)
-    k_major = (q.w_gate.transpose(1, 2), q.w_up.transpose(1, 2), q.w_down.transpose(1, 2),
-               q.gate_scale, q.up_scale, q.down_scale)
-    layout = mhmoe.sort_routes(probs, scores.topk(K, dim=-1).indices, E)
+    x, weights, layout = fp8_gluon_case(S, H, E, K, I, edge, None, monkeypatch)
     seen, options = [], g8.kernel_options
 
     def spy(*args, **kwargs):
@@ -928,7 +933,7 @@ def test_fp8_gluon_skip_empty_halves_gives_the_same_outputs(S, H, E, K, I, edge,
     monkeypatch.setattr(g8, "kernel_options", spy)
     cfg = tuning.Fp8ForwardConfig(128, 64, 4, 1, warp_specialized=True)
     assert_same_outputs(lambda c, det: triton_expert_forward_fp8(
-        x, *layout, *k_major, deterministic=det, config=c),
+        x, *layout, *weights, deterministic=det, config=c),
         cfg, tuning.Fp8ForwardConfig(128, 64, 4, 1, warp_specialized=True,
                                      skip_empty_halves=True), edge)
     assert True in seen and False in seen, seen
