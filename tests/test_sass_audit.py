@@ -167,6 +167,11 @@ def test_compiled_sm90_kernels_have_no_register_a_hazards():
     # both modes, and the default one with reciprocals and with skip_empty_halves (whose
     # warpgroup 1 has a path without wgmmas: the same wgmmas and waits)
     assert len(fp8_ws) == 4, fp8_ws
+    # The skip is there: its path adds mbarrier arrivals (x hand-off, ring, turn) and no
+    # wgmma (the shapes below are the default's).
+    by_name = {r["kernel"]: r for r in fp8_ws}
+    assert by_name["expert forward fp8 ws (Gluon) skip empty halves"]["mbarrier_arrives"] > \
+        by_name["expert forward fp8 ws (Gluon)"]["mbarrier_arrives"], by_name
     for r in fp8_ws:
         assert r["wgmmas"] == {"QGMMA.64x128x32": 32, "QGMMA.64x256x32": 8}, r
         assert r["async_waits"] >= 6, r

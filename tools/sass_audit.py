@@ -357,8 +357,8 @@ def audit(progress=None) -> list[dict]:
     where ptxas serialised every wgmma, which it does when registers run short), and its
     global atomic adds (`combine_ops`), its wgmmas by kind and shape (`wgmma_shapes`) and
     its register stores by width (`global_stores`; JSON keys are strings), its
-    reciprocals and full-range divisions (`reciprocals`) and its innermost loops with a
-    wgmma (`wgmma_loops`)."""
+    reciprocals and full-range divisions (`reciprocals`), its innermost loops with a
+    wgmma (`wgmma_loops`) and its mbarrier arrivals (SYNCS.ARRIVE instructions)."""
     rows = []
     for case in _cases():
         if progress:
@@ -369,7 +369,8 @@ def audit(progress=None) -> list[dict]:
         rows.append({"kernel": case.name, "hgmma_register_a": n_reg_a, "hazards": hazards,
                      "async_waits": async_waits(sass), **combine_ops(sass),
                      "wgmmas": wgmma_shapes(sass), "stores": global_stores(sass),
-                     **reciprocals(sass), "loops": wgmma_loops(sass)})
+                     **reciprocals(sass), "loops": wgmma_loops(sass),
+                     "mbarrier_arrives": len(re.findall(r"\bSYNCS\.ARRIVE", sass))})
     return rows
 
 

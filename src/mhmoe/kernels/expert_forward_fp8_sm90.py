@@ -197,8 +197,10 @@ def _skip_half(W: gl.constexpr, stages, ready, empty, x_ready, x_empty, turn, n,
     """Half W of tile k when it holds no row (`Fp8ForwardConfig.skip_empty_halves`): no
     wgmma, no SwiGLU, no combine; it hands its x buffer back and takes its turns and its
     arrivals on the ring as `_mma_partition` would, each stage waited for before it is
-    released (an arrival before the stage is full could count towards its previous
-    fill). Returns (stages taken, turns taken) past the tile."""
+    released, as there (warpgroup 0 has waited for the block's stages before it passes
+    the turn, so the wait costs nothing; it keeps each arrival tied to the fill it
+    answers whatever the other warpgroup does). Returns (stages taken, turns taken)
+    past the tile."""
     NI: gl.constexpr = I // 64
     NC: gl.constexpr = D // 128
     mbarrier.wait(x_ready.index(W), k & 1)
