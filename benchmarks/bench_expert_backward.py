@@ -2,7 +2,7 @@
 
     PYTHONPATH=src python3 benchmarks/bench_expert_backward.py [--sizes 4096,32768]
         [--sweep "dx=m/i/w/s,dw=m/i/w/s,panel=m/n/k/w/s[/tma]|none,pdx=i/w/s,ws=1,rcp=1,st=8;..."]
-        [--skip-checks]
+        [--skip-checks] [--sweep-only]
         [--out OUT.json] [--no-record]
     PYTHONPATH=src python3 benchmarks/bench_expert_backward.py --cpu    (a dry run)
 
@@ -19,7 +19,8 @@ panel kernel; rcp=1: the sigmoid's reciprocal, `sigmoid_rcp`; st=8: the Gluon ke
 8-byte stores, `panel_store_bytes`), timed at the largest S in default mode in shuffled
 interleaved rounds against the default tiles (`mhmoe.bench.interleaved`,
 docs/measuring.md), with the largest relative difference of their gradients from the
-default's. A table last.
+default's; --sweep-only leaves out the per-size default and deterministic timings before
+it (the sweep times the default tiles beside its variants anyway). A table last.
 
 FLOP: the forward 6 S H K D I; the backward counted as twice the forward and
 forward+backward as three times, as the peer kernels report them. Rows
@@ -237,12 +238,16 @@ def main() -> int:
     parser.add_argument("--sweep", default="",
                         help="'dx=m/i/w/s,dw=m/i/w/s,panel=m/n/k/w/s|none;...' at the largest S")
     parser.add_argument("--skip-checks", action="store_true")
+    parser.add_argument("--sweep-only", action="store_true",
+                        help="time only the --sweep (at the largest S), not each mode per S")
     parser.add_argument("--out", default=None, help="also write the run as one JSON file")
     parser.add_argument("--no-record", action="store_true",
                         help="do not append rows to benchmarks/results.jsonl")
     parser.add_argument("--cpu", action="store_true",
                         help="a dry run under the Triton interpreter at toy dims")
     args = parser.parse_args()
+    if args.sweep_only and not args.sweep:
+        parser.error("--sweep-only needs --sweep")
     st = CPU_SETUP if args.cpu else Setup()
     if args.sizes:
         st = dataclasses.replace(st, sizes=tuple(int(s) for s in args.sizes.split(",")))
@@ -260,7 +265,7 @@ def main() -> int:
         print("checks", json.dumps(found), flush=True)
     shape = dict(H=st.H, E=st.E, K=st.K, D=st.D, I=st.I)
     rows, table = [], []
-    for S in st.sizes:
+    for S in () if args.sweep_only else st.sizes:
         for det in (False, True):
             t = time_size(st, S, gen, weights, det)
             mode = "deterministic" if det else "default"
