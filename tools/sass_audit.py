@@ -225,6 +225,17 @@ def static_cycles(body: list[dict], read_latency: int = 8) -> int:
     return t + max(body[-1]["stall"], 1) if body else 0
 
 
+def _backward_loops(prog: list[tuple[int, str]]):
+    """(top, end, body) of each loop that a conditional branch backwards closes, for
+    (address, instruction) pairs in address order: body is the pairs from the branch's
+    target (top) to the branch itself (end)."""
+    for end, ins in prog:
+        m = _BACK_BRANCH.match(ins)
+        if m and int(m.group(1), 16) < end:
+            top = int(m.group(1), 16)
+            yield top, end, [(a, i) for a, i in prog if top <= a <= end]
+
+
 def wgmma_loops(sass: str) -> list[dict]:
     """The innermost loops (branches backwards) holding a wgmma, in address order: in the
     persistent Gluon kernels, each MMA warpgroup's loop over slices of I. Per loop: addr,
@@ -233,16 +244,12 @@ def wgmma_loops(sass: str) -> list[dict]:
     slice when nothing makes it wait (other warps, the tensor cores, barriers); not a
     measurement."""
     rows = schedule(sass)
+    by_addr = {r["addr"]: r for r in rows}
     loops = []
-    for end in rows:
-        m = _BACK_BRANCH.match(end["ins"])
-        if not m or int(m.group(1), 16) >= end["addr"]:
-            continue
-        top = int(m.group(1), 16)
-        body = [r for r in rows if top <= r["addr"] <= end["addr"]]
-        n = sum(1 for r in body if _WGMMA.search(r["ins"]))
+    for top, end, body in _backward_loops([(r["addr"], r["ins"]) for r in rows]):
+        n = sum(1 for _, ins in body if _WGMMA.search(ins))
         if n:
-            loops.append((top, end["addr"], body, n))
+            loops.append((top, end, [by_addr[a] for a, _ in body], n))
     inner = [lp for lp in loops if not any(lp[0] <= o[0] and o[1] <= lp[1] and o != lp
                                            for o in loops)]
     return [{"addr": hex(top), "instructions": len(body), "wgmmas": n,
@@ -308,11 +315,8 @@ def register_a_hazards(sass: str) -> tuple[int, list[dict]]:
     state = ([], set())
     for addr, ins in prog:
         state = _step(state, addr, ins, hazards, "straight line")
-    for addr, ins in prog:
-        m = _BACK_BRANCH.match(ins)
-        top = int(m.group(1), 16) if m else addr
-        body = [(a, i) for a, i in prog if top <= a <= addr]
-        if top >= addr or not any("GMMA" in i for _, i in body):
+    for top, addr, body in _backward_loops(prog):
+        if not any("GMMA" in i for _, i in body):
             continue
         state = ([], set())
         for lap in range(2):
