@@ -383,7 +383,8 @@ class Fp8ForwardConfig:
 FP8_FORWARD_SM90 = (
     (96.0, Fp8ForwardConfig(block_m=64, block_i=64, num_warps=4, num_stages=3)),
     (float("inf"), Fp8ForwardConfig(block_m=128, block_i=64, num_warps=8, num_stages=3,
-                                    warp_specialized=True)),
+                                    warp_specialized=True, reciprocals=True,
+                                    skip_empty_halves=True)),
 )
 FP8_FORWARD_INTERPRETER = (
     (float("inf"), Fp8ForwardConfig(block_m=32, block_i=64, num_warps=4, num_stages=1)),
@@ -877,7 +878,8 @@ SM90_FUSED = ExpertBackwardConfig(dx=ExpertForwardConfig(128, 16, 8, 3),
 SM90_PANEL_DX = PanelDxConfig(64, 8, 4)
 SM90_SPLIT = dataclasses.replace(SM90_FUSED, panel_dx=SM90_PANEL_DX)
 SM90_SPLIT_WS = dataclasses.replace(
-    SM90_SPLIT, dx=dataclasses.replace(SM90_SPLIT.dx, warp_specialized=True))
+    SM90_SPLIT, dx=dataclasses.replace(SM90_SPLIT.dx, warp_specialized=True),
+    sigmoid_rcp=True, panel_store_bytes=8)
 BACKWARD_SM90 = (
     (40.0, ExpertBackwardConfig(dx=ExpertForwardConfig(64, 32, 4, 3),
                                 dw=ExpertForwardConfig(64, 32, 8, 2), panel=SM90_PANEL)),
