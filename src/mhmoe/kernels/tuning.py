@@ -373,18 +373,18 @@ class Fp8ForwardConfig:
                              f"scale's block), got {self.block_i}")
 
 
-# Mean rows per expert -> tiles, as FORWARD_SM90: one warpgroup of 64 routes where few
-# routes per expert make the kernel stream weights, two of 128 above. (A weight-only
-# multiply measured slower at every size and was removed.) The sweep behind this:
-# docs/fp8.md ("Measured").
-# Above 96 the warp-specialised Gluon kernel, faster than the Triton one at many routes an
-# expert and slower at few (docs/fp8.md, "The warp-specialised fp8 kernel"); the row's
-# Triton tiles are what runs where it cannot (D != 256).
+# Mean rows per expert -> tiles. On sm_90 the warp-specialised Gluon kernel at every size,
+# with its reciprocals and, at few routes an expert, its empty halves skipped: measured
+# faster than every Triton tile at 1,024, 4,096 and 32,768 tokens (docs/fp8.md,
+# "Measured"). Each row's Triton tiles are what runs where the Gluon kernel cannot (D !=
+# 256, not sm_90): one warpgroup of 64 routes where few routes per expert make the kernel
+# stream weights, two of 128 above. (A weight-only multiply measured slower at every size
+# and was removed.)
+_FP8_GLUON = dict(warp_specialized=True, reciprocals=True, skip_empty_halves=True)
 FP8_FORWARD_SM90 = (
-    (96.0, Fp8ForwardConfig(block_m=64, block_i=64, num_warps=4, num_stages=3)),
+    (96.0, Fp8ForwardConfig(block_m=64, block_i=64, num_warps=4, num_stages=3, **_FP8_GLUON)),
     (float("inf"), Fp8ForwardConfig(block_m=128, block_i=64, num_warps=8, num_stages=3,
-                                    warp_specialized=True, reciprocals=True,
-                                    skip_empty_halves=True)),
+                                    **_FP8_GLUON)),
 )
 FP8_FORWARD_INTERPRETER = (
     (float("inf"), Fp8ForwardConfig(block_m=32, block_i=64, num_warps=4, num_stages=1)),
