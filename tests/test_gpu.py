@@ -8,6 +8,8 @@ torch.compile with the real kernels.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import triton
@@ -933,11 +935,12 @@ def test_fp8_gluon_skip_empty_halves_gives_the_same_outputs(S, H, E, K, I, edge,
         return chosen
 
     monkeypatch.setattr(g8, "kernel_options", spy)
-    cfg = tuning.Fp8ForwardConfig(128, 64, 4, 1, warp_specialized=True)
+    # With the reciprocals, as the table runs the kernel (the pair without them passed on
+    # an H100 at 658ca2e).
+    cfg = tuning.Fp8ForwardConfig(128, 64, 4, 1, warp_specialized=True, reciprocals=True)
     assert_same_outputs(lambda c, det: triton_expert_forward_fp8(
         x, *layout, *weights, deterministic=det, config=c),
-        cfg, tuning.Fp8ForwardConfig(128, 64, 4, 1, warp_specialized=True,
-                                     skip_empty_halves=True), edge)
+        cfg, dataclasses.replace(cfg, skip_empty_halves=True), edge)
     assert True in seen and False in seen, seen
 
 

@@ -349,8 +349,9 @@ class Fp8ForwardConfig:
                 warpgroup does nothing but keep the ring and the turns in step where
                 its 64 rows of a tile hold no route (every tile at 64 routes an expert
                 or fewer, an expert's last tile of 64 or fewer above): no wgmma, SwiGLU
-                or combine on padding rows. The routes' results are the same. Off
-                until a GPU has timed it (docs/fp8.md, "What would close it").
+                or combine on padding rows. The routes' results are the same. Timed on
+                an H100 (docs/fp8.md, "What would close it", item 5); off in the table
+                until it has run there with the reciprocals.
     """
 
     block_m: int
@@ -374,13 +375,13 @@ class Fp8ForwardConfig:
 
 
 # Mean rows per expert -> tiles. On sm_90 the warp-specialised Gluon kernel at every size,
-# with its reciprocals and, at few routes an expert, its empty halves skipped: measured
-# faster than every Triton tile at 1,024, 4,096 and 32,768 tokens (docs/fp8.md,
-# "Measured"). Each row's Triton tiles are what runs where the Gluon kernel cannot (D !=
-# 256, not sm_90): one warpgroup of 64 routes where few routes per expert make the kernel
-# stream weights, two of 128 above. (A weight-only multiply measured slower at every size
-# and was removed.)
-_FP8_GLUON = dict(warp_specialized=True, reciprocals=True, skip_empty_halves=True)
+# with its reciprocals: measured faster than every Triton tile at 1,024, 4,096 and 32,768
+# tokens (docs/fp8.md, "Reciprocals" and "What would close it", items 4 and 5; the empty
+# halves' skip waits for a GPU run of the pair). Each row's Triton tiles are what runs
+# where the Gluon kernel cannot (D != 256, not sm_90): one warpgroup of 64 routes where few
+# routes per expert make the kernel stream weights, two of 128 above. (A weight-only
+# multiply measured slower at every size and was removed.)
+_FP8_GLUON = dict(warp_specialized=True, reciprocals=True)
 FP8_FORWARD_SM90 = (
     (96.0, Fp8ForwardConfig(block_m=64, block_i=64, num_warps=4, num_stages=3, **_FP8_GLUON)),
     (float("inf"), Fp8ForwardConfig(block_m=128, block_i=64, num_warps=8, num_stages=3,
