@@ -121,7 +121,11 @@ def test_wgmma_loops_are_the_innermost_loops_holding_one():
         ("@P2 BRA 0x60", 5, 7, 7, 0),
     )
     assert wgmma_loops(text) == [{"addr": "0x10", "instructions": 3, "wgmmas": 1,
-                                  "issue_cycles": 7, "static_cycles": 7}]
+                                  "issue_cycles": 7, "static_cycles": 7,
+                                  "tile_start": 1, "tile_end": 2}]
+    # Without the outer loop's branch no loop encloses it.
+    flat = text.replace("@!P1 BRA 0x0", "@!P1 BRA 0x70")
+    assert [(lp["tile_start"], lp["tile_end"]) for lp in wgmma_loops(flat)] == [(None, None)]
 
 
 def test_compiled_sm90_kernels_have_no_register_a_hazards():

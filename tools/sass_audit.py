@@ -242,19 +242,32 @@ def wgmma_loops(sass: str) -> list[dict]:
     instructions, wgmmas, issue_cycles (its stall counts summed) and static_cycles
     (`static_cycles`). A compile-only reading of how long one warp needs to get through a
     slice when nothing makes it wait (other warps, the tensor cores, barriers); not a
-    measurement."""
+    measurement. tile_start, tile_end: the instructions of the smallest loop around it (in
+    those kernels the loop over tiles) before its top and after its branch, the code a
+    tile runs once around its slices (None where no loop encloses it)."""
     rows = schedule(sass)
     by_addr = {r["addr"]: r for r in rows}
+    closed = list(_backward_loops([(r["addr"], r["ins"]) for r in rows]))
     loops = []
-    for top, end, body in _backward_loops([(r["addr"], r["ins"]) for r in rows]):
+    for top, end, body in closed:
         n = sum(1 for _, ins in body if _WGMMA.search(ins))
         if n:
             loops.append((top, end, [by_addr[a] for a, _ in body], n))
     inner = [lp for lp in loops if not any(lp[0] <= o[0] and o[1] <= lp[1] and o != lp
                                            for o in loops)]
-    return [{"addr": hex(top), "instructions": len(body), "wgmmas": n,
-             "issue_cycles": sum(max(r["stall"], 1) for r in body),
-             "static_cycles": static_cycles(body)} for top, _, body, n in sorted(inner)]
+    out = []
+    for top, end, body, n in sorted(inner):
+        around = [lp for lp in closed if lp[0] <= top and end <= lp[1] and lp[1] - lp[0] >
+                  end - top]
+        row = {"addr": hex(top), "instructions": len(body), "wgmmas": n,
+               "issue_cycles": sum(max(r["stall"], 1) for r in body),
+               "static_cycles": static_cycles(body), "tile_start": None, "tile_end": None}
+        if around:
+            o_body = min(around, key=lambda lp: lp[1] - lp[0])[2]
+            row["tile_start"] = sum(1 for a, _ in o_body if a < top)
+            row["tile_end"] = sum(1 for a, _ in o_body if a > end)
+        out.append(row)
+    return out
 
 
 def _parse(sass: str) -> list[tuple[int, str]]:
@@ -395,7 +408,10 @@ def main(argv: list[str] | None = None) -> int:
         for r in rows:
             verdict = f"{len(r['hazards'])} hazards" if r["hazards"] else "clean"
             loops = "; ".join(f"{lp['instructions']} instr, {lp['issue_cycles']} issue /"
-                              f" {lp['static_cycles']} static cycles" for lp in r["loops"])
+                              f" {lp['static_cycles']} static cycles"
+                              + (f" (a tile: {lp['tile_start']} before, {lp['tile_end']} after)"
+                                 if lp["tile_start"] is not None else "")
+                              for lp in r["loops"])
             print(f"{r['kernel']:<58} register-A HGMMAs {r['hgmma_register_a']:>3}  {verdict}"
                   + (f"  loops: {loops}" if loops else ""))
             for h in r["hazards"][:4]:
