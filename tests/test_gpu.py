@@ -324,8 +324,6 @@ def test_shortlist_route_equals_full_rows_at_full_size():
     # route kernel on whole rows (shortlist=False) at MAGI-2's S, H, E, K, with rows and
     # experts made to defeat the shortlists (exact ties from duplicated experts, zero,
     # NaN and inf tokens): probs, indices, counts and logits bitwise, on every call.
-    import dataclasses
-
     from mhmoe.kernels.layout import layout_block_t
     from mhmoe.kernels.router_logits import logits_route_config, triton_logits_route
 
@@ -465,7 +463,6 @@ def test_gluon_expert_forward_equals_triton(S, H, E, K, I, edge, group_bytes, cl
     # the deterministic modes agree bitwise; the default mode (atomic adds) within
     # rounding; both against float64 as well as PyTorch's fp32 math. cluster=2: its
     # variant in clusters of two CTAs sharing weight stages by multicast.
-    import dataclasses as dc
 
     import mhmoe.kernels.expert_forward as ef
     import mhmoe.kernels.tuning as tuning
@@ -480,8 +477,8 @@ def test_gluon_expert_forward_equals_triton(S, H, E, K, I, edge, group_bytes, cl
         tails = (layout.offsets[1:] - layout.offsets[:-1]) % 128
         assert ((tails > 0) & (tails <= 64)).sum() >= H * E // 2, tails
     triton_cfg = tuning.expert_forward_config(x.device, rows, D, wd.dtype)
-    ws_cfg = dc.replace(triton_cfg, warp_specialized=True, cluster=cluster)
-    triton_cfg = dc.replace(triton_cfg, warp_specialized=False, cluster=1)
+    ws_cfg = dataclasses.replace(triton_cfg, warp_specialized=True, cluster=cluster)
+    triton_cfg = dataclasses.replace(triton_cfg, warp_specialized=False, cluster=1)
     tri = ef.triton_expert_forward(x, *layout, wg, wu, wd, deterministic=True, config=triton_cfg)
     ws_det = ef.triton_expert_forward(x, *layout, wg, wu, wd, deterministic=True, config=ws_cfg)
     ws = ef.triton_expert_forward(x, *layout, wg, wu, wd, config=ws_cfg)
@@ -504,7 +501,6 @@ def test_forward_sigmoid_rcp_gives_the_divisions_results(S, H, E, K, I, edge, mo
     # is what the full-range division computes where 1 + e <= 2^126 (every g of Gaussian
     # data): the same outputs bitwise, in the Gluon kernel (one CTA and clusters of two)
     # and in the Triton one, in both modes.
-    import dataclasses as dc
 
     import mhmoe.kernels.expert_forward as ef
     from mhmoe.kernels.tuning import ExpertForwardConfig
@@ -521,7 +517,7 @@ def test_forward_sigmoid_rcp_gives_the_divisions_results(S, H, E, K, I, edge, mo
                 ExpertForwardConfig(128, 32, 8, 3, paired=True, warp_specialized=True,
                                     cluster=2),
                 ExpertForwardConfig(64, 32, 4, 4)):
-        rcp = dc.replace(cfg, sigmoid_rcp=True)
+        rcp = dataclasses.replace(cfg, sigmoid_rcp=True)
         assert_same_outputs(lambda c, det: ef.triton_expert_forward(
             x, *layout, *w, deterministic=det, config=c), cfg, rcp, edge)
         division = ef.triton_expert_forward(flush_x, *layout, *flush_w, config=cfg)
@@ -703,8 +699,6 @@ def test_gluon_panel_kernel_variants(S, H, E, K, I, edge, monkeypatch):
     # below -51.3 the reciprocal gives the division's results bitwise in every backward
     # kernel (the division rescales only divisors above 2^126); and it stays as accurate
     # against float64 as the fused default.
-    import dataclasses
-
     import mhmoe.kernels.tuning as tuning
     from mhmoe.reference import expert_backward_reference
 
@@ -778,7 +772,7 @@ def magi2_fp8_layer(magi2_layer):
 
 @pytest.mark.parametrize("S,edge", [
     (37, "few routes: most experts empty or one row"),
-    (4096, "96 routes an expert: the table's 64-row tiles"),
+    (4096, "96 routes an expert: the table's row of 64-row Triton tiles"),
     (32768, "768 routes an expert: the 128-row tiles"),
 ])
 def test_fp8_kernel_against_its_float64_twin_at_magi2_dims(S, edge):
@@ -801,8 +795,8 @@ def test_fp8_kernel_against_its_float64_twin_at_magi2_dims(S, edge):
     probs = torch.rand(H, S, K, device="cuda", generator=gen)
     layout = sort_routes_reference(probs, idx, E)
     weights = k_major(q)
-    # The default (the table's choice: the Gluon kernel above 96 routes an expert) and the
-    # Triton kernel at the table's tiles, which also runs where the Gluon one cannot.
+    # The default (the table's choice: the Gluon kernel with its reciprocals on sm_90) and
+    # the Triton kernel at the table's tiles, which runs where the Gluon one cannot.
     import mhmoe.kernels.tuning as tuning
 
     table = tuning.fp8_forward_config(x.device, S * K / E)
@@ -870,7 +864,7 @@ def test_gluon_fp8_kernel_equals_the_triton_fp8_kernel(S, H, E, K, I, edge, grou
     mine = triton_expert_forward_fp8(x[:, :1], *sub, *(t[:E] for t in weights), config=ws_cfg)
     assert rel_err(mine, twin) < 1e-2, edge
     # The Triton kernel at the table's tiles, named: the table itself picks the Gluon
-    # kernel above 96 routes an expert.
+    # kernel on sm_90.
     tri_cfg = tuning.fp8_forward_config(x.device, layout.gather_ids.numel() / (H * E))
     tri_cfg = tuning.Fp8ForwardConfig(tri_cfg.block_m, tri_cfg.block_i, tri_cfg.num_warps,
                                       tri_cfg.num_stages)
@@ -888,8 +882,6 @@ def test_fp8_reciprocals_give_the_divisions_results(S, H, E, K, I, edge, monkeyp
     # in [2^-126, 2^126] (every row scale; the sigmoid's 1 + e for every g above -51.3,
     # all of Gaussian data): the same outputs bitwise, in the Gluon kernel and in the
     # Triton one, in both modes.
-    import dataclasses
-
     import mhmoe.kernels.tuning as tuning
     from mhmoe.kernels.expert_forward_fp8 import triton_expert_forward_fp8
 

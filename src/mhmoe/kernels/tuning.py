@@ -375,13 +375,13 @@ class Fp8ForwardConfig:
 
 
 # Mean rows per expert -> tiles. On sm_90 the warp-specialised Gluon kernel at every size,
-# with its reciprocals: measured faster than the Triton tiles at 1,024 and 4,096 tokens
-# and 21-28% faster than without them at 1,024 and 32,768 (docs/fp8.md, "Reciprocals" and
+# with its reciprocals: measured faster than the Triton tiles at few routes an expert and
+# than itself without them at few and many (docs/fp8.md, "Reciprocals" and
 # "What would close it", items 4 and 5; the empty halves' skip waits for a GPU run of the
-# pair). Each row's Triton tiles are what runs
-# where the Gluon kernel cannot (D != 256, not sm_90): one warpgroup of 64 routes where few
-# routes per expert make the kernel stream weights, two of 128 above. (A weight-only
-# multiply measured slower at every size and was removed.)
+# pair). Each row's Triton tiles are what runs where the Gluon kernel cannot (D != 256, not
+# sm_90): one warpgroup of 64 routes where few routes per expert make the kernel stream
+# weights, two of 128 above. (A weight-only multiply measured slower at every size and was
+# removed.)
 _FP8_GLUON = dict(warp_specialized=True, reciprocals=True)
 FP8_FORWARD_SM90 = (
     (96.0, Fp8ForwardConfig(block_m=64, block_i=64, num_warps=4, num_stages=3, **_FP8_GLUON)),
