@@ -1,7 +1,8 @@
 """The fp8 expert forward against the bf16 one, side by side, MAGI-2 dims, one GPU.
 
     PYTHONPATH=src python3 benchmarks/bench_expert_fp8.py [--tokens 1024,32768] [--reciprocals]
-        [--tiles "64/64/4/2;64/64/8/2"] [--skip-empty] [--no-record]
+        [--tiles "64/64/4/2;64/64/8/2"] [--skip-empty] [--gluon "rcp,skip;rcp,pre"]
+        [--no-record]
 
 For each token count: uniform random routes (top-6 of 256 per head), bf16 Gaussian
 weights and their fp8 quantization (mhmoe.fp8); the bf16 kernel, the fp8 kernel at its
@@ -13,7 +14,10 @@ measured in the same run. --reciprocals: each fp8 kernel also with
 `Fp8ForwardConfig.reciprocals`, in the same rounds (docs/fp8.md, "Reciprocals").
 --tiles: the Triton fp8 kernel also at these block_m/block_i/num_warps/num_stages, in the
 same rounds (block_i must be the scheme's ACT_BLOCK, 64). --skip-empty: the Gluon kernel
-also with `Fp8ForwardConfig.skip_empty_halves` (sm_90).
+also with `Fp8ForwardConfig.skip_empty_halves` (sm_90). --gluon: the Gluon kernel (sm_90)
+also with each ';'-separated set of its options, in the same rounds: rcp (reciprocals),
+skip (skip_empty_halves), pre (epilogue_prefetch), chk (chunked_x); with --gluon-only, those
+alone beside the bf16 kernel (for a profiler's launch count: `ncu --launch-skip`).
 """
 
 from __future__ import annotations
@@ -48,6 +52,21 @@ def parse_tiles(spec: str) -> Fp8ForwardConfig:
         raise SystemExit(f"--tiles: '{spec}' is not m/i/w/s tiles the kernel takes: {e}") from None
 
 
+GLUON_OPTIONS = {"rcp": "reciprocals", "skip": "skip_empty_halves", "pre": "epilogue_prefetch",
+                 "chk": "chunked_x"}
+
+
+def parse_gluon(spec: str) -> Fp8ForwardConfig:
+    """'rcp,pre' -> the Gluon kernel with Fp8ForwardConfig.reciprocals and
+    .epilogue_prefetch."""
+    names = [n for n in spec.split(",") if n]
+    unknown = [n for n in names if n not in GLUON_OPTIONS]
+    if unknown or not names:
+        raise SystemExit(f"--gluon: '{spec}' is not a set of {', '.join(GLUON_OPTIONS)}")
+    return Fp8ForwardConfig(128, 64, 4, 1, warp_specialized=True,
+                            **{GLUON_OPTIONS[n]: True for n in names})
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="1024,32768")
@@ -55,9 +74,14 @@ def main() -> int:
     ap.add_argument("--reciprocals", action="store_true")
     ap.add_argument("--tiles", default="", help="Triton fp8 tiles m/i/w/s, ';'-separated")
     ap.add_argument("--skip-empty", action="store_true")
+    ap.add_argument("--gluon", default="", help="Gluon kernel option sets, ';'-separated")
+    ap.add_argument("--gluon-only", action="store_true")
     ap.add_argument("--no-record", action="store_true")
     args = ap.parse_args()
     tiles = [parse_tiles(t) for t in args.tiles.split(";") if t]
+    gluon = {f"ws {spec}": parse_gluon(spec) for spec in args.gluon.split(";") if spec}
+    if args.gluon_only and not gluon:
+        raise SystemExit("--gluon-only: name the option sets with --gluon")
     dev = torch.device("cuda")
     H, E, K, D, I = M.num_heads, M.num_experts, M.top_k, M.head_dim, M.expert_intermediate_size
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -75,12 +99,15 @@ def main() -> int:
         idx = torch.argsort(torch.rand(H, S, E, device=dev, generator=gen), dim=-1)[..., :K]
         probs = torch.rand(H, S, K, device=dev, generator=gen)
         layout = sort_routes_reference(probs, idx, E)
-        modes = {"default": fp8_forward_config(dev, S * K / E)}
-        if torch.cuda.get_device_capability(dev) == (9, 0):
+        modes = {} if args.gluon_only else {"default": fp8_forward_config(dev, S * K / E)}
+        if args.gluon_only:
+            modes.update(gluon)
+        elif torch.cuda.get_device_capability(dev) == (9, 0):
             modes["ws"] = Fp8ForwardConfig(128, 64, 4, 1, warp_specialized=True)
             if args.skip_empty:
                 modes["ws skip"] = Fp8ForwardConfig(128, 64, 4, 1, warp_specialized=True,
                                                     skip_empty_halves=True)
+            modes.update(gluon)
         modes.update({f"{c.block_m}/{c.block_i}/{c.num_warps}/{c.num_stages}": c for c in tiles})
         if args.reciprocals:
             modes.update({f"{name} rcp": dataclasses.replace(c, reciprocals=True)
@@ -115,6 +142,8 @@ def main() -> int:
             elif modes[name].warp_specialized:
                 variant = "fp8 ws (Gluon)" + (" skip empty halves"
                                               if modes[name].skip_empty_halves else "")
+                variant += " epilogue prefetch" if modes[name].epilogue_prefetch else ""
+                variant += " chunked x" if modes[name].chunked_x else ""
             else:
                 c = modes[name]
                 variant = f"fp8 {c.block_m}/{c.block_i}/{c.num_warps}/{c.num_stages}"

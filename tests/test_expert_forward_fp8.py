@@ -205,9 +205,10 @@ def test_a_table_choice_of_the_gluon_kernel_runs_the_triton_one_where_it_cannot(
     from mhmoe.kernels import tuning
 
     tiles = Fp8ForwardConfig(32, ACT_BLOCK, 4, 1)
-    # (with the Gluon kernel's own option on: it goes with the Gluon kernel)
+    # (with the Gluon kernel's own options on: they go with the Gluon kernel)
     monkeypatch.setattr(tuning, "fp8_forward_config", lambda *a, **k: Fp8ForwardConfig(
-        32, ACT_BLOCK, 4, 1, warp_specialized=True, skip_empty_halves=True))
+        32, ACT_BLOCK, 4, 1, warp_specialized=True, skip_empty_halves=True,
+        epilogue_prefetch=True, chunked_x=True))
     x, layout, w = problem(20, 2, 4, 2, 32, 64, seed=3)
     q = quantize_weights(*w)
     for deterministic in (False, True):
@@ -217,17 +218,22 @@ def test_a_table_choice_of_the_gluon_kernel_runs_the_triton_one_where_it_cannot(
         assert torch.equal(got, run(x, layout, q, tiles, deterministic)), deterministic
 
 
-def test_skip_empty_halves_is_an_option_of_the_gluon_kernel():
-    with pytest.raises(ValueError, match="skip_empty_halves is an option of the Gluon"):
-        Fp8ForwardConfig(32, ACT_BLOCK, 4, 1, skip_empty_halves=True)
-    assert Fp8ForwardConfig(128, ACT_BLOCK, 4, 1, warp_specialized=True,
-                            skip_empty_halves=True).skip_empty_halves
+@pytest.mark.parametrize("option", ["skip_empty_halves", "epilogue_prefetch", "chunked_x"])
+def test_gluon_options_need_the_gluon_kernel(option):
+    with pytest.raises(ValueError, match=f"{option} is an option of the Gluon"):
+        Fp8ForwardConfig(32, ACT_BLOCK, 4, 1, **{option: True})
+    assert getattr(Fp8ForwardConfig(128, ACT_BLOCK, 4, 1, warp_specialized=True,
+                                    **{option: True}), option)
 
 
-def test_skip_empty_halves_reaches_the_gluon_launch(monkeypatch):
+@pytest.mark.parametrize("option, constexpr", [("skip_empty_halves", "SKIP"),
+                                               ("epilogue_prefetch", "PREFETCH"),
+                                               ("chunked_x", "CHUNKED")])
+def test_gluon_options_reach_the_gluon_launch(monkeypatch, option, constexpr):
     # The Gluon kernel cannot run here: with its shape check passed, the launch itself is
-    # recorded (its kwargs become the kernel's SKIP constexpr through kernel_options),
-    # once a head group, with the option as asked; tests/test_gpu.py runs the kernel.
+    # recorded (its kwargs become the kernel's constexprs through kernel_options), once a
+    # head group, with the option as asked and the other off; tests/test_gpu.py runs the
+    # kernel.
     from mhmoe.kernels import expert_forward_fp8_sm90 as ws
 
     seen = []
@@ -235,13 +241,17 @@ def test_skip_empty_halves_reaches_the_gluon_launch(monkeypatch):
     monkeypatch.setattr(ws, "launch_fp8_ws", lambda *a, **k: seen.append(k))
     x, layout, w = problem(20, 2, 4, 2, 256, 64, seed=3)
     q = quantize_weights(*w)
-    for skip in (True, False):
+    options = ("reciprocals", "skip_empty_halves", "epilogue_prefetch", "chunked_x")
+    for on in (True, False):
         seen.clear()
         run(x, layout, q, Fp8ForwardConfig(128, ACT_BLOCK, 4, 1, warp_specialized=True,
-                                           skip_empty_halves=skip))
-        assert seen and all(k["skip_empty_halves"] is skip for k in seen), seen
+                                           **{option: on}))
+        assert seen and all(k[option] is on for k in seen), seen
+        assert all(k[o] is False for k in seen for o in options if o != option), seen
         cfg = ws.fp8_forward_sm90_config()
-        assert ws.kernel_options(cfg, 256, 64, False, False, skip)["SKIP"] is skip
+        assert ws.kernel_options(cfg, 256, 64, False, **{option: on})[constexpr] is on
+    with pytest.raises(TypeError, match="no option"):
+        ws.kernel_options(ws.fp8_forward_sm90_config(), 256, 64, False, prefetch=True)
 
 
 def test_gluon_tiles_must_fit_the_shared_memory():

@@ -196,7 +196,7 @@ def triton_expert_forward_fp8(
                     f"{wg_t.dtype}, D={D}, I={I}")
             # A table's choice: the Triton kernel at the row's tiles.
             config = dataclasses.replace(config, warp_specialized=False,
-                                         skip_empty_halves=False)
+                                         **tuning.GLUON_ONLY_OFF)
     y = torch.empty(S, H, D, dtype=x_heads.dtype, device=x_heads.device)
     if S == 0 or R == 0:
         return y.zero_()
@@ -207,7 +207,7 @@ def triton_expert_forward_fp8(
     groups = HeadGroups(y, gather_ids, offsets, E, deterministic, "expert_forward_fp8")
     if config.warp_specialized:
         sm90 = tuning.fp8_forward_sm90_config()
-        descs = ws.descriptors(wg_t, wu_t, wd_t, gate_scale, up_scale)
+        descs = ws.descriptors(wg_t, wu_t, wd_t, gate_scale, up_scale, down_scale)
         for h0, g, routes, out in groups:
             max_tiles = triton.cdiv(routes, sm90.block_m) + g * E
             tile_expert, tile_first, total = tile_map(offsets, h0 * E, g * E, sm90.block_m,
@@ -216,8 +216,7 @@ def triton_expert_forward_fp8(
                              out, groups.slots, tile_expert, tile_first, total, config=sm90,
                              E=E, first_expert=h0 * E, first_head=h0, group_heads=g,
                              slot_base=h0 * S * groups.K, I=I, deterministic=deterministic,
-                             reciprocals=config.reciprocals,
-                             skip_empty_halves=config.skip_empty_halves)
+                             **ws.config_options(config))
             groups.finish(h0, g, out, interpret)
         return y
     bi = config.block_i

@@ -242,11 +242,12 @@ def _w_loader(wg_desc, wu_desc, wd_desc, stages, ready, empty, peer_free, tile_e
 @gluon.jit
 def _x_loader(x_ptr, stride_xs, stride_xh, gather_ids_ptr, xs, x_ready, x_empty,
               tile_expert_ptr, tile_first_ptr, offsets_ptr, ntiles_ptr, first_expert,
-              E, D: gl.constexpr, CLUSTER: gl.constexpr):
+              E, D: gl.constexpr, CLUSTER: gl.constexpr, ROWS8: gl.constexpr = False):
     """x rows of each tile into the warpgroups' halves (cp.async, 16 rows at a time;
-    rows past the expert's end zero-filled)."""
+    rows past the expert's end zero-filled); with ROWS8, xs is [16, 8, D], groups of 8
+    rows (warpgroup w's are w*8 ...), filled one group at a time."""
     _cluster_sync(CLUSTER)
-    CH: gl.constexpr = 16
+    CH: gl.constexpr = 8 if ROWS8 else 16
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0])
     r = gl.arange(0, CH, layout=gl.SliceLayout(1, layout))
     d = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
@@ -266,9 +267,12 @@ def _x_loader(x_ptr, stride_xs, stride_xh, gather_ids_ptr, xs, x_ready, x_empty,
                 rows = row0 + w * 64 + c * CH + r
                 ok = rows < end
                 tok = gl.load(gather_ids_ptr + rows, mask=ok, other=0).to(gl.int64)
+                if ROWS8:
+                    dst = xs.index(w * (64 // CH) + c)
+                else:
+                    dst = xs.index(w).slice(c * CH, CH, dim=0)
                 async_copy.async_copy_global_to_shared(
-                    xs.index(w).slice(c * CH, CH, dim=0),
-                    xh + tok[:, None] * stride_xs + d[None, :], mask=ok[:, None])
+                    dst, xh + tok[:, None] * stride_xs + d[None, :], mask=ok[:, None])
             async_copy.mbarrier_arrive(x_ready.index(w), increment_count=False)
         k += 1
     _cluster_sync(CLUSTER)

@@ -352,6 +352,17 @@ class Fp8ForwardConfig:
                 or combine on padding rows. The routes' results are the same. Timed on
                 an H100 (docs/fp8.md, "What would close it", item 5); off in the table
                 until it has run there with the reciprocals.
+    epilogue_prefetch: with warp_specialized only: the Gluon kernel loads a tile's
+                route probabilities and out rows at the tile's start, and its loader
+                brings the expert's down scales by TMA with the tile's last down stage,
+                so that a tile's end waits on no global load (where the profile saw a
+                warpgroup's end wait on them: docs/fp8.md, "Where the time goes"). The
+                same values reach the same arithmetic: the results are the same.
+    chunked_x:  with warp_specialized only: the Gluon kernel quantizes x at a tile's start
+                in a run-time loop over groups of 8 rows, a short body run 8 times where
+                the unrolled code is fetched afresh each tile (docs/fp8.md, "Where the time
+                goes"); x's bf16 and e4m3 tiles laid out for it. The same values: the
+                results are the same.
     """
 
     block_m: int
@@ -361,17 +372,25 @@ class Fp8ForwardConfig:
     warp_specialized: bool = False
     reciprocals: bool = False
     skip_empty_halves: bool = False
+    epilogue_prefetch: bool = False
+    chunked_x: bool = False
 
     def __post_init__(self) -> None:
         check_tiles(self, ("block_m", "block_i"))
-        if self.skip_empty_halves and not self.warp_specialized:
-            raise ValueError("Fp8ForwardConfig.skip_empty_halves is an option of the Gluon "
-                             "kernel: set warp_specialized=True with it")
+        for option in GLUON_ONLY_OFF:
+            if getattr(self, option) and not self.warp_specialized:
+                raise ValueError(f"Fp8ForwardConfig.{option} is an option of the Gluon "
+                                 "kernel: set warp_specialized=True with it")
         from ..fp8 import ACT_BLOCK
 
         if self.block_i != ACT_BLOCK:
             raise ValueError(f"Fp8ForwardConfig.block_i must be {ACT_BLOCK} (the activation "
                              f"scale's block), got {self.block_i}")
+
+
+# Fp8ForwardConfig's options of the Gluon kernel alone, off: what a table row keeps where it
+# runs the Triton kernel instead.
+GLUON_ONLY_OFF = dict(skip_empty_halves=False, epilogue_prefetch=False, chunked_x=False)
 
 
 # Mean rows per expert -> tiles. On sm_90 the warp-specialised Gluon kernel at every size,
