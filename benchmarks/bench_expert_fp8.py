@@ -1,7 +1,7 @@
 """The fp8 expert forward against the bf16 one, side by side, MAGI-2 dims, one GPU.
 
     PYTHONPATH=src python3 benchmarks/bench_expert_fp8.py [--tokens 1024,32768] [--reciprocals]
-        [--tiles "64/64/4/2;64/64/8/2"] [--skip-empty] [--gluon "rcp,skip;rcp,pre"]
+        [--tiles "64/64/4/2;64/64/8/2"] [--skip-empty] [--gluon "rcp,skip;rcp,chk"]
         [--no-record]
 
 For each token count: uniform random routes (top-6 of 256 per head), bf16 Gaussian
@@ -16,7 +16,7 @@ measured in the same run. --reciprocals: each fp8 kernel also with
 same rounds (block_i must be the scheme's ACT_BLOCK, 64). --skip-empty: the Gluon kernel
 also with `Fp8ForwardConfig.skip_empty_halves` (sm_90). --gluon: the Gluon kernel (sm_90)
 also with each ';'-separated set of its options, in the same rounds: rcp (reciprocals),
-skip (skip_empty_halves), pre (epilogue_prefetch), chk (chunked_x); with --gluon-only, those
+skip (skip_empty_halves), chk (chunked_x); with --gluon-only, those
 alone beside the bf16 kernel (for a profiler's launch count: `ncu --launch-skip`).
 """
 
@@ -52,13 +52,11 @@ def parse_tiles(spec: str) -> Fp8ForwardConfig:
         raise SystemExit(f"--tiles: '{spec}' is not m/i/w/s tiles the kernel takes: {e}") from None
 
 
-GLUON_OPTIONS = {"rcp": "reciprocals", "skip": "skip_empty_halves", "pre": "epilogue_prefetch",
-                 "chk": "chunked_x"}
+GLUON_OPTIONS = {"rcp": "reciprocals", "skip": "skip_empty_halves", "chk": "chunked_x"}
 
 
 def parse_gluon(spec: str) -> Fp8ForwardConfig:
-    """'rcp,pre' -> the Gluon kernel with Fp8ForwardConfig.reciprocals and
-    .epilogue_prefetch."""
+    """'rcp,chk' -> the Gluon kernel with Fp8ForwardConfig.reciprocals and .chunked_x."""
     names = [n for n in spec.split(",") if n]
     unknown = [n for n in names if n not in GLUON_OPTIONS]
     if unknown or not names:
@@ -142,7 +140,6 @@ def main() -> int:
             elif modes[name].warp_specialized:
                 variant = "fp8 ws (Gluon)" + (" skip empty halves"
                                               if modes[name].skip_empty_halves else "")
-                variant += " epilogue prefetch" if modes[name].epilogue_prefetch else ""
                 variant += " chunked x" if modes[name].chunked_x else ""
             else:
                 c = modes[name]

@@ -936,29 +936,19 @@ def test_fp8_gluon_skip_empty_halves_gives_the_same_outputs(S, H, E, K, I, edge,
     assert True in seen and False in seen, seen
 
 
-@pytest.mark.parametrize("options", [("epilogue_prefetch",), ("chunked_x",),
-                                     ("epilogue_prefetch", "chunked_x")])
 @pytest.mark.parametrize("S,H,E,K,I,edge", [
-    (1100, 2, 8, 4, 64, "last tiles of 64 rows or fewer, one slice of I: 3 stages a tile"),
-    (8192, 2, 8, 4, 64, "about 4 tiles a program on a 7-stage ring of 3-stage tiles"),
+    (1100, 2, 8, 4, 64, "last tiles of 64 rows or fewer, one slice of I"),
+    (8192, 2, 8, 4, 64, "about 4 tiles a program"),
     (1024, 12, 256, 6, 1280, "MAGI-2 at 1,024 tokens"),
     (8192, 12, 256, 6, 1280, "MAGI-2 at 8,192 tokens, several tiles a program"),
 ])
-def test_fp8_gluon_tile_code_options_give_the_same_outputs(S, H, E, K, I, edge, options,
-                                                           monkeypatch):
-    # The options that move code out of a tile's start and end (docs/fp8.md, "Where the
-    # time goes"), with the reciprocals as the table runs the kernel:
-    # - epilogue_prefetch: the routes' probabilities and out rows loaded at a tile's
-    #   start, the down scales brought by the loader with the tile's last down stage
-    #   (into that stage's scale slot, read before the stage is released; tiles of one
-    #   slice of I refill a slot within a few tiles, which a read after the release
-    #   would show);
-    # - chunked_x: x's quantization as a run-time loop over groups of 8 rows, with x's
-    #   bf16 and e4m3 tiles laid out for it (a wrong view of either changes the
-    #   products).
-    # The same values reach the same arithmetic: bitwise in deterministic mode, and with
-    # the empty halves' skip too where both options are on. The launches are seen to ask
-    # for the options.
+def test_fp8_gluon_chunked_x_gives_the_same_outputs(S, H, E, K, I, edge, monkeypatch):
+    # Fp8ForwardConfig.chunked_x: x's quantization as a run-time loop over groups of 8
+    # rows, with x's bf16 and e4m3 tiles laid out for it (a wrong view of either changes
+    # the products) and the row scales through shared memory. The same values reach the
+    # same arithmetic: bitwise in deterministic mode, with the reciprocals as the table
+    # runs the kernel, and with the empty halves' skip too. The launches are seen to ask
+    # for the option.
     import mhmoe.kernels.expert_forward_fp8_sm90 as g8
     import mhmoe.kernels.tuning as tuning
     from mhmoe.kernels.expert_forward_fp8 import triton_expert_forward_fp8
@@ -968,19 +958,16 @@ def test_fp8_gluon_tile_code_options_give_the_same_outputs(S, H, E, K, I, edge, 
 
     def spy(*args, **kwargs):
         chosen = kernel_options(*args, **kwargs)
-        seen.append(tuple(chosen[g8.OPTIONS[name][0]] for name in options))
+        seen.append(chosen["CHUNKED"])
         return chosen
 
     monkeypatch.setattr(g8, "kernel_options", spy)
     cfg = tuning.Fp8ForwardConfig(128, 64, 4, 1, warp_specialized=True, reciprocals=True)
-    on = {name: True for name in options}
-    bases = [cfg] + ([dataclasses.replace(cfg, skip_empty_halves=True)]
-                     if len(options) > 1 else [])
-    for base in bases:
+    for base in (cfg, dataclasses.replace(cfg, skip_empty_halves=True)):
         assert_same_outputs(lambda c, det: triton_expert_forward_fp8(
             x, *layout, *weights, deterministic=det, config=c),
-            base, dataclasses.replace(base, **on), (edge, options))
-    assert (True,) * len(options) in seen and (False,) * len(options) in seen, seen
+            base, dataclasses.replace(base, chunked_x=True), edge)
+    assert True in seen and False in seen, seen
 
 
 def test_fp8_magi2_layer_against_the_float64_bf16_layer(magi2_layer, magi2_fp8_layer):

@@ -119,7 +119,6 @@ _COMBINE_OPS = {"reductions": re.compile(r"REDG\.E\.ADD\.F32x2"),
 
 
 _WGMMA = re.compile(r"\b([HQ]GMMA\.\d+x\d+x\d+)")
-_GLOBAL_LOAD = re.compile(r"\bLDG\b")
 
 
 def wgmma_shapes(sass: str) -> dict:
@@ -245,8 +244,7 @@ def wgmma_loops(sass: str) -> list[dict]:
     slice when nothing makes it wait (other warps, the tensor cores, barriers); not a
     measurement. tile_start, tile_end: the instructions of the smallest loop around it (in
     those kernels the loop over tiles) before its top and after its branch, the code a
-    tile runs once around its slices (None where no loop encloses it); tile_end_loads: the
-    global loads (LDG) among the latter, which a tile's end would wait on."""
+    tile runs once around its slices (None where no loop encloses it)."""
     rows = schedule(sass)
     by_addr = {r["addr"]: r for r in rows}
     closed = list(_backward_loops([(r["addr"], r["ins"]) for r in rows]))
@@ -263,14 +261,11 @@ def wgmma_loops(sass: str) -> list[dict]:
                   end - top]
         row = {"addr": hex(top), "instructions": len(body), "wgmmas": n,
                "issue_cycles": sum(max(r["stall"], 1) for r in body),
-               "static_cycles": static_cycles(body), "tile_start": None, "tile_end": None,
-               "tile_end_loads": None}
+               "static_cycles": static_cycles(body), "tile_start": None, "tile_end": None}
         if around:
             o_body = min(around, key=lambda lp: lp[1] - lp[0])[2]
             row["tile_start"] = sum(1 for a, _ in o_body if a < top)
             row["tile_end"] = sum(1 for a, _ in o_body if a > end)
-            row["tile_end_loads"] = sum(1 for a, ins in o_body
-                                        if a > end and _GLOBAL_LOAD.search(ins))
         out.append(row)
     return out
 
@@ -414,8 +409,7 @@ def main(argv: list[str] | None = None) -> int:
             verdict = f"{len(r['hazards'])} hazards" if r["hazards"] else "clean"
             loops = "; ".join(f"{lp['instructions']} instr, {lp['issue_cycles']} issue /"
                               f" {lp['static_cycles']} static cycles"
-                              + (f" (a tile: {lp['tile_start']} before, {lp['tile_end']} after,"
-                                 f" {lp['tile_end_loads']} global loads after)"
+                              + (f" (a tile: {lp['tile_start']} before, {lp['tile_end']} after)"
                                  if lp["tile_start"] is not None else "")
                               for lp in r["loops"])
             print(f"{r['kernel']:<58} register-A HGMMAs {r['hgmma_register_a']:>3}  {verdict}"

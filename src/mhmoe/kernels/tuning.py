@@ -349,20 +349,14 @@ class Fp8ForwardConfig:
                 warpgroup does nothing but keep the ring and the turns in step where
                 its 64 rows of a tile hold no route (every tile at 64 routes an expert
                 or fewer, an expert's last tile of 64 or fewer above): no wgmma, SwiGLU
-                or combine on padding rows. The routes' results are the same. Timed on
-                an H100 (docs/fp8.md, "What would close it", item 5); off in the table
-                until it has run there with the reciprocals.
-    epilogue_prefetch: with warp_specialized only: the Gluon kernel loads a tile's
-                route probabilities and out rows at the tile's start, and its loader
-                brings the expert's down scales by TMA with the tile's last down stage,
-                so that a tile's end waits on no global load (where the profile saw a
-                warpgroup's end wait on them: docs/fp8.md, "Where the time goes"). The
-                same values reach the same arithmetic: the results are the same.
+                or combine on padding rows. The routes' results are the same. The
+                table's row at few routes an expert (docs/fp8.md, "What would close it",
+                item 5).
     chunked_x:  with warp_specialized only: the Gluon kernel quantizes x at a tile's start
                 in a run-time loop over groups of 8 rows, a short body run 8 times where
-                the unrolled code is fetched afresh each tile (docs/fp8.md, "Where the time
-                goes"); x's bf16 and e4m3 tiles laid out for it. The same values: the
-                results are the same.
+                the unrolled code is fetched afresh each tile; x's bf16 and e4m3 tiles laid
+                out for it. The same values: the results are the same. The table's row at
+                many routes an expert (docs/fp8.md, "What would close it", item 7).
     """
 
     block_m: int
@@ -372,7 +366,6 @@ class Fp8ForwardConfig:
     warp_specialized: bool = False
     reciprocals: bool = False
     skip_empty_halves: bool = False
-    epilogue_prefetch: bool = False
     chunked_x: bool = False
 
     def __post_init__(self) -> None:
@@ -390,22 +383,23 @@ class Fp8ForwardConfig:
 
 # Fp8ForwardConfig's options of the Gluon kernel alone, off: what a table row keeps where it
 # runs the Triton kernel instead.
-GLUON_ONLY_OFF = dict(skip_empty_halves=False, epilogue_prefetch=False, chunked_x=False)
+GLUON_ONLY_OFF = dict(skip_empty_halves=False, chunked_x=False)
 
 
 # Mean rows per expert -> tiles. On sm_90 the warp-specialised Gluon kernel at every size,
 # with its reciprocals: measured faster than the Triton tiles at few routes an expert and
-# than itself without them at few and many (docs/fp8.md, "Reciprocals" and
-# "What would close it", items 4 and 5; the empty halves' skip waits for a GPU run of the
-# pair). Each row's Triton tiles are what runs where the Gluon kernel cannot (D != 256, not
-# sm_90): one warpgroup of 64 routes where few routes per expert make the kernel stream
-# weights, two of 128 above. (A weight-only multiply measured slower at every size and was
-# removed.)
+# than itself without them at few and many; at few routes (a tile's second half mostly
+# padding) with the empty halves skipped, at many with x's quantization chunked (docs/fp8.md,
+# "Reciprocals" and "What would close it", items 4, 5 and 7). Each row's Triton tiles are
+# what runs where the Gluon kernel cannot (D != 256, not sm_90): one warpgroup of 64 routes
+# where few routes per expert make the kernel stream weights, two of 128 above. (A
+# weight-only multiply measured slower at every size and was removed.)
 _FP8_GLUON = dict(warp_specialized=True, reciprocals=True)
 FP8_FORWARD_SM90 = (
-    (96.0, Fp8ForwardConfig(block_m=64, block_i=64, num_warps=4, num_stages=3, **_FP8_GLUON)),
+    (96.0, Fp8ForwardConfig(block_m=64, block_i=64, num_warps=4, num_stages=3, **_FP8_GLUON,
+                            skip_empty_halves=True)),
     (float("inf"), Fp8ForwardConfig(block_m=128, block_i=64, num_warps=8, num_stages=3,
-                                    **_FP8_GLUON)),
+                                    **_FP8_GLUON, chunked_x=True)),
 )
 FP8_FORWARD_INTERPRETER = (
     (float("inf"), Fp8ForwardConfig(block_m=32, block_i=64, num_warps=4, num_stages=1)),
@@ -885,6 +879,12 @@ class ExpertBackwardConfig:
 # forward's tiles, hence block_i = 16 with 3 stages (209 KB of the 227 KB) at
 # many rows per expert. The sweeps behind each choice: docs/expert-backward.md.
 SM90_PANEL = PanelGemmConfig(128, 256, 64, 8, 3)
+# At 192 rows an expert or fewer the dW GEMMs are short in K (rows) and one 128/256 tile
+# an SM (147 KB of shared memory) leaves its stores and the next tile's loads unoverlapped;
+# 64/128 tiles of 2 stages fit 4 programs an SM: -13% of the expert backward at 1,024
+# tokens, -6% at 4,096, and +4-7% at 16,384-32,768 (docs/expert-backward.md, "The dW GEMMs
+# at few rows an expert").
+SM90_PANEL_FEW = PanelGemmConfig(64, 128, 64, 4, 2)
 SM90_FUSED = ExpertBackwardConfig(dx=ExpertForwardConfig(128, 16, 8, 3),
                                   dw=ExpertForwardConfig(128, 32, 8, 1), panel=SM90_PANEL)
 # dx from the panels (ExpertBackwardConfig.panel_dx), with the Triton dx kernel leaving
@@ -903,8 +903,8 @@ SM90_SPLIT_WS = dataclasses.replace(
     sigmoid_rcp=True, panel_store_bytes=8)
 BACKWARD_SM90 = (
     (40.0, ExpertBackwardConfig(dx=ExpertForwardConfig(64, 32, 4, 3),
-                                dw=ExpertForwardConfig(64, 32, 8, 2), panel=SM90_PANEL)),
-    (192.0, SM90_FUSED),
+                                dw=ExpertForwardConfig(64, 32, 8, 2), panel=SM90_PANEL_FEW)),
+    (192.0, dataclasses.replace(SM90_FUSED, panel=SM90_PANEL_FEW)),
     (float("inf"), SM90_SPLIT_WS),
 )
 # float32 operands (fp32 weights, or mixed dtypes): twice the shared memory per
