@@ -27,7 +27,10 @@ What differs from the bf16 kernel:
   are loaded once a tile, early in its last block.
 - The x loader gathers bf16 rows as in the bf16 kernel; the MMA warpgroup quantizes its
   64 rows (per-row amax and scale) into an e4m3 copy that its gate|up wgmmas read, and
-  keeps the row scales in registers. The bf16 half is free once that is done.
+  keeps the row scales in registers. The bf16 half is free once that is done. With
+  CHUNKED (`Fp8ForwardConfig.chunked_x`) the quantization is a run-time loop over groups
+  of 8 rows, on x tiles laid out for it (`_quantize_x_rows`): a short body where the
+  unrolled one would be fetched afresh each tile.
 - The SwiGLU output is quantized in registers (row amax over the slice's 64 columns) and
   stored to a 4 KB shared tile, the down wgmma's A operand (Triton 3.6 cannot keep an
   8-bit register operand alive across a wgmma wait, as the bf16 kernel keeps its bf16
