@@ -446,6 +446,23 @@ def fp8_gluon_case(S, H, E, K, I, edge, group_bytes, monkeypatch):
     return x, k_major(quantize_weights(*w)), layout
 
 
+def spy_fp8_gluon_option(monkeypatch, constexpr):
+    """The values of the fp8 Gluon kernel's constexpr `constexpr` (RCP, SKIP, CHUNKED) that
+    its launches ask for from here on, one a launch: equal outputs alone would not show that
+    an option reached the kernel."""
+    import mhmoe.kernels.expert_forward_fp8_sm90 as g8
+
+    seen, kernel_options = [], g8.kernel_options
+
+    def spy(*args, **kwargs):
+        chosen = kernel_options(*args, **kwargs)
+        seen.append(chosen[constexpr])
+        return chosen
+
+    monkeypatch.setattr(g8, "kernel_options", spy)
+    return seen
+
+
 @pytest.mark.parametrize("S,H,E,K,I,edge,group_bytes", [
     (300, 2, 8, 2, 192, "tiles ending inside an expert's rows", None),
     (200, 2, 4, 2, 64, "one slice of I: no middle blocks", None),
@@ -912,21 +929,13 @@ def test_fp8_gluon_skip_empty_halves_gives_the_same_outputs(S, H, E, K, I, edge,
     # route it only keeps the ring, the turns and the x hand-off in step. Every route's
     # result is the same, bitwise in deterministic mode, and no tile sequence hangs; the
     # launches are seen to ask for the option (equal outputs alone would not show it).
-    import mhmoe.kernels.expert_forward_fp8_sm90 as g8
     import mhmoe.kernels.tuning as tuning
     from mhmoe.kernels.expert_forward_fp8 import triton_expert_forward_fp8
 
     x, weights, layout = fp8_gluon_case(S, H, E, K, I, edge, None, monkeypatch)
     tails = torch.diff(layout.offsets) % 128  # routes in each expert's last tile
     assert ((tails > 0) & (tails <= 64)).any(), edge  # halves the option skips exist
-    seen, options = [], g8.kernel_options
-
-    def spy(*args, **kwargs):
-        chosen = options(*args, **kwargs)
-        seen.append(chosen["SKIP"])
-        return chosen
-
-    monkeypatch.setattr(g8, "kernel_options", spy)
+    seen = spy_fp8_gluon_option(monkeypatch, "SKIP")
     # With the reciprocals, as the table runs the kernel (the pair without them passed on
     # an H100 at 658ca2e).
     cfg = tuning.Fp8ForwardConfig(128, 64, 4, 1, warp_specialized=True, reciprocals=True)
@@ -949,19 +958,11 @@ def test_fp8_gluon_chunked_x_gives_the_same_outputs(S, H, E, K, I, edge, monkeyp
     # same arithmetic: bitwise in deterministic mode, with the reciprocals as the table
     # runs the kernel, and with the empty halves' skip too. The launches are seen to ask
     # for the option.
-    import mhmoe.kernels.expert_forward_fp8_sm90 as g8
     import mhmoe.kernels.tuning as tuning
     from mhmoe.kernels.expert_forward_fp8 import triton_expert_forward_fp8
 
     x, weights, layout = fp8_gluon_case(S, H, E, K, I, edge, None, monkeypatch)
-    seen, kernel_options = [], g8.kernel_options
-
-    def spy(*args, **kwargs):
-        chosen = kernel_options(*args, **kwargs)
-        seen.append(chosen["CHUNKED"])
-        return chosen
-
-    monkeypatch.setattr(g8, "kernel_options", spy)
+    seen = spy_fp8_gluon_option(monkeypatch, "CHUNKED")
     cfg = tuning.Fp8ForwardConfig(128, 64, 4, 1, warp_specialized=True, reciprocals=True)
     for base in (cfg, dataclasses.replace(cfg, skip_empty_halves=True)):
         assert_same_outputs(lambda c, det: triton_expert_forward_fp8(

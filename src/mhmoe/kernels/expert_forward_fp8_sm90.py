@@ -187,7 +187,7 @@ def _x_slab(xq, c: gl.constexpr, CHUNKED: gl.constexpr, W: gl.constexpr):
 
 @gluon.jit
 def _gate_up_first(xq, stages, ready, n, NSTAGE: gl.constexpr, gu_layout: gl.constexpr,
-                   CHUNKED: gl.constexpr = False, W: gl.constexpr = 0):
+                   CHUNKED: gl.constexpr, W: gl.constexpr):
     """Issues chunk 0 of gu = xq @ [W_gate | W_up] from stage n (a fresh accumulator)."""
     st = _wait_stage(stages, ready, n, NSTAGE)
     return warpgroup_mma(_x_slab(xq, 0, CHUNKED, W), st.permute((1, 0)),
@@ -197,7 +197,7 @@ def _gate_up_first(xq, stages, ready, n, NSTAGE: gl.constexpr, gu_layout: gl.con
 
 @gluon.jit
 def _gate_up_rest(xq, stages, ready, empty, gu, n, D: gl.constexpr, NSTAGE: gl.constexpr,
-                  CHUNKED: gl.constexpr = False, W: gl.constexpr = 0):
+                  CHUNKED: gl.constexpr, W: gl.constexpr):
     """Chunks 1 .. D/128 - 1 of gu from stages n + 1 ... (chunk 0, from stage n, is in
     flight); one wgmma kept in flight, each stage released once its wgmma retired.
     Returns (gu in flight, its last stage, still held: it carries the scales)."""

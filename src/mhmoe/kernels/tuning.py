@@ -881,9 +881,8 @@ class ExpertBackwardConfig:
 SM90_PANEL = PanelGemmConfig(128, 256, 64, 8, 3)
 # At 192 rows an expert or fewer the dW GEMMs are short in K (rows) and one 128/256 tile
 # an SM (147 KB of shared memory) leaves its stores and the next tile's loads unoverlapped;
-# 64/128 tiles of 2 stages fit 4 programs an SM: -13% of the expert backward at 1,024
-# tokens, -6% at 4,096, and +4-7% at 16,384-32,768 (docs/expert-backward.md, "The dW GEMMs
-# at few rows an expert").
+# 64/128 tiles of 2 stages fit 4 programs an SM, which pays at few rows and costs at many
+# (the sweep: docs/expert-backward.md, "The dW GEMMs at few rows an expert").
 SM90_PANEL_FEW = PanelGemmConfig(64, 128, 64, 4, 2)
 SM90_FUSED = ExpertBackwardConfig(dx=ExpertForwardConfig(128, 16, 8, 3),
                                   dw=ExpertForwardConfig(128, 32, 8, 1), panel=SM90_PANEL)
