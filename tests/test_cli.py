@@ -565,6 +565,17 @@ def test_demo_fp8_builds_a_stack_and_checks_it(backend):
         assert 1e-5 < err < 1e-2, out
 
 
+def test_demo_graph_time_is_cuda_only():
+    import torch
+
+    from mhmoe import cli
+
+    assert cli._graph_time(lambda: None, torch.device("cpu"), 2) is None
+    out = mhmoe("demo", "--experts", "2", "--tokens", "16", "--check-tokens", "4",
+                "--runs", "1").stdout
+    assert "ms (median of 1, each call waited for" in out and "CUDA graph" not in out, out
+
+
 def test_demo_fp8_flag_combinations_are_refused():
     for args, words in ((["--fp8", "--dtype", "fp32"], ["--dtype", "--fp8"]),
                         (["--fp8", "--checkpoint", "x"], ["--checkpoint", "--fp8"]),

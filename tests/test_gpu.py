@@ -9,6 +9,7 @@ torch.compile with the real kernels.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -1110,3 +1111,16 @@ def test_torch_compile_fullgraph_forward_and_backward_cuda():
     for got, want in zip(results[1], results[0], strict=True):
         assert got.shape == want.shape and got.dtype == want.dtype
         assert rel_err(got, want) < 4e-3  # under one bf16 rounding (2**-8) per element
+
+
+def test_demos_print_the_cuda_graph_time(capsys):
+    """`mhmoe demo` and `demo --fp8` add the GPU time from a CUDA graph to the eager one
+    (which holds the host's launches)."""
+    from mhmoe import cli
+
+    common = ["--experts", "8", "--tokens", "512", "--runs", "1", "--check-tokens", "8"]
+    assert cli.main(["demo", *common]) == 0
+    assert cli.main(["demo", "--fp8", "--layers", "2", *common]) == 0
+    out = capsys.readouterr().out
+    graph = [float(v) for v in re.findall(r"time \(CUDA graph\)\s*\S\s*([0-9.]+) ms", out)]
+    assert len(graph) == 2 and all(v > 0 for v in graph) and "not captured" not in out, out
