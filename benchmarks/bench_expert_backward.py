@@ -265,6 +265,7 @@ def main() -> int:
         print("checks", json.dumps(found), flush=True)
     shape = dict(H=st.H, E=st.E, K=st.K, D=st.D, I=st.I)
     rows, table = [], []
+    command = "PYTHONPATH=src python3 benchmarks/bench_expert_backward.py " + " ".join(sys.argv[1:])
     for S in () if args.sweep_only else st.sizes:
         for det in (False, True):
             t = time_size(st, S, gen, weights, det)
@@ -274,10 +275,10 @@ def main() -> int:
                                    tflops=2 * flop / (t["bwd_ms"] * 1e-3) / 1e12,
                                    fwd_ms=t["fwd_ms"], bwd_over_fwd=t["bwd_over_fwd"],
                                    extra_gb=t["extra_gb"], config=t["config"], shape=shape,
-                                   peaks=peaks))
+                                   peaks=peaks, command=command))
             rows.append(result_row("expert_fwd_bwd", mode, S, t["fwd_bwd_ms"], env=env,
                                    tflops=3 * flop / (t["fwd_bwd_ms"] * 1e-3) / 1e12,
-                                   shape=shape, peaks=peaks))
+                                   shape=shape, peaks=peaks, command=command))
             table.append((S, mode, t))
             print(f"S={S} {mode}: {json.dumps(t)}", flush=True)
         if st.device == "cuda":
@@ -287,7 +288,7 @@ def main() -> int:
         for variant, ms, extra in sweep(st, S, gen, weights, args.sweep):
             rows.append(result_row("expert_bwd", variant, S, ms, env=env,
                                    tflops=2 * fwd_flops(st, S) / (ms * 1e-3) / 1e12,
-                                   shape=shape, peaks=peaks, **extra))
+                                   shape=shape, peaks=peaks, command=command, **extra))
 
     if args.out:
         Path(args.out).write_text(json.dumps(

@@ -781,8 +781,8 @@ def _demo_one(args) -> int:
                              else 0, runs=args.runs)
         with _status("checking against the float64 reference"):
             check = check_slice(layer, x, y, min(args.check_tokens, tokens))
+        finite = bool(torch.isfinite(y).all())
         graph = _graph_time(lambda: layer(x), device)
-    finite = bool(torch.isfinite(y).all())
     peak = matmul_peak_tflops(device) if device.type == "cuda" else None
     tflops = expert_tflops(config, tokens, timing.median_ms)
 
@@ -798,8 +798,8 @@ def _demo_one(args) -> int:
                   f"{config.num_experts} experts, top-{config.top_k}, D {config.head_dim}, "
                   f"I {config.expert_intermediate_size}, {config.params_dtype}")
     table.add_row("tokens", f"{tokens} ({args.dtype})")
-    table.add_row("time", f"{timing.median_ms:.2f} ms (median of {timing.runs}, each call "
-                  "waited for: the host's launches included)")
+    waited = ", each call waited for: the host's launches included" if graph else ""
+    table.add_row("time", f"{timing.median_ms:.2f} ms (median of {timing.runs}{waited})")
     if graph is not None:
         table.add_row("time (CUDA graph)", graph)
     table.add_row("throughput", f"{tokens / timing.median_ms * 1e3:,.0f} tokens/s, "
@@ -827,7 +827,7 @@ def _graph_time(fn, device, layers: int | None = None) -> str | None:
         with _status("timing the same work replayed from a CUDA graph"):
             ms = graph_ms(fn, replays=3, runs=5)
     except RuntimeError as error:
-        return f"not captured ({str(error).splitlines()[0][:120]})"
+        return f"not captured ({(str(error).splitlines() or [type(error).__name__])[0][:120]})"
     per_pass = "" if layers is None else f" a pass, {ms / layers:.2f} ms a layer"
     return f"{ms:.2f} ms{per_pass} (median of 5 x 3 replays: GPU time)"
 
@@ -885,9 +885,9 @@ def _demo_fp8(args) -> int:
     if cuda:
         held = torch.cuda.memory_allocated(device) - before
         peak = torch.cuda.max_memory_allocated(device) - before
+    finite = bool(torch.isfinite(out).all())
     with torch.no_grad():
         graph = _graph_time(one_pass, device, count)  # after the memory: its pool is extra
-    finite = bool(torch.isfinite(out).all())
 
     table = _table("mhmoe demo --fp8: a stack of fp8 multi-head MoE layers", ["", ""],
                    right=set(), show_header=False)
@@ -908,9 +908,9 @@ def _demo_fp8(args) -> int:
     else:
         table.add_row("device memory", "not measured on the CPU")
     table.add_row("tokens", f"{tokens} (bf16)")
+    waited = ", each pass waited for: the host's launches included" if graph else ""
     table.add_row("time", f"{timing.median_ms:.2f} ms a pass, {timing.median_ms / count:.2f} "
-                  f"ms a layer (median of {timing.runs}, each pass waited for: the host's "
-                  "launches included)")
+                  f"ms a layer (median of {timing.runs}{waited})")
     if graph is not None:
         table.add_row("time (CUDA graph)", graph)
     verdict = "ok" if finite and check.error < check.bound else "FAILED"
