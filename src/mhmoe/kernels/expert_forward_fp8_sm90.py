@@ -336,8 +336,8 @@ def _split_quantize(a0, gu1, s_x, scales, slot1, aq, g_layout: gl.constexpr, RCP
 
 
 @gluon.jit
-def _split_slice(acc, first, s_prev, s_x, xq, aq, stages, scales, ready, empty, n,
-                 D: gl.constexpr, NSTAGE: gl.constexpr, gu_layout: gl.constexpr,
+def _split_slice(acc, first, s_prev, s_x, xq, aq, stages, scales, ready, empty, turn, blk,
+                 n, D: gl.constexpr, NSTAGE: gl.constexpr, gu_layout: gl.constexpr,
                  g_layout: gl.constexpr, rows_layout: gl.constexpr, CHUNKED: gl.constexpr,
                  W: gl.constexpr, RCP: gl.constexpr):
     """A slice after the first (SPLIT), with no wgmma of this warpgroup in flight on entry
@@ -350,9 +350,11 @@ def _split_slice(acc, first, s_prev, s_x, xq, aq, stages, scales, ready, empty, 
     wgmma stays in flight across the loop's back edge or while the accumulator is written
     (the rescale). Returns (acc, s_a)."""
     NC: gl.constexpr = D // 128
+    mbarrier.wait(turn.index(W), (blk & 1) ^ (1 - W))
     acc = _down(aq, stages, ready, n - 1, acc, NSTAGE, use_acc=not first)
     gu0 = _gate_up_half(xq, stages, ready, n, D, NSTAGE, gu_layout, CHUNKED, W)
     gu1 = _gate_up_half(xq, stages, ready, n + 1, D, NSTAGE, gu_layout, CHUNKED, W)
+    mbarrier.arrive(turn.index(1 - W), count=1)
     acc, gu0 = warpgroup_mma_wait(num_outstanding=NC, deps=(acc, gu0))
     _release(empty, n - 1, NSTAGE)
     a0 = _half_swiglu(gu0, s_x, scales, n % NSTAGE, g_layout, RCP)
@@ -367,7 +369,7 @@ def _split_slice(acc, first, s_prev, s_x, xq, aq, stages, scales, ready, empty, 
 
 @gluon.jit
 def _mma_partition_split(W: gl.constexpr, xs, xq, aqs, stages, scales, ready, empty, x_ready,
-                         x_empty, tile_expert_ptr, tile_first_ptr, offsets_ptr, ntiles_ptr,
+                         x_empty, turn, tile_expert_ptr, tile_first_ptr, offsets_ptr, ntiles_ptr,
                          gather_ids_ptr, probs_ptr, sd_ptr, out_ptr, slot_ptr, E,
                          first_expert, first_head, group_heads, slot_base, D: gl.constexpr,
                          I: gl.constexpr, NSTAGE: gl.constexpr, DETERMINISTIC: gl.constexpr,
@@ -398,27 +400,28 @@ def _mma_partition_split(W: gl.constexpr, xs, xq, aqs, stages, scales, ready, em
     aq = aqs.index(W)
     num_tiles = gl.load(ntiles_ptr)
     n = 0  # stages taken from the ring: per slice its two halves, then its down chunk
+    blk = 0  # blocks run (turns taken)
     k = 0  # tiles run
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         f, row0, end = _tile_rows0(t, tile_expert_ptr, tile_first_ptr, offsets_ptr,
                                    first_expert)
-        mbarrier.wait(x_ready.index(W), k & 1)
         if SKIP and W == 1 and row0 + 64 >= end:
-            # No row: every stage of the tile waited for and given back, in order.
-            mbarrier.arrive(x_empty.index(W), count=1)
-            for i in range(3 * NI):
-                _wait_stage(stages, ready, n + i, NSTAGE)
-                _release(empty, n + i, NSTAGE)
-            n += 3 * NI
+            # The same stages a block as the halves take (D = 256: two halves, two chunks).
+            n, blk = _skip_half(W, stages, ready, empty, x_ready, x_empty, turn, n, blk, k, D,
+                                I, NSTAGE)
         else:
+            mbarrier.wait(x_ready.index(W), k & 1)
             if CHUNKED:
                 s_x = _quantize_x_rows(xs, xq, sxs, W, g_layout, RCP)
             else:
                 s_x = _quantize_x(xh, xqh, g_layout, RCP)
             # Slice 0: its halves, and no rescale; its down product (issued with the next
             # slice's halves) starts the accumulator.
+            mbarrier.wait(turn.index(W), (blk & 1) ^ (1 - W))
             gu0 = _gate_up_half(xqh, stages, ready, n, D, NSTAGE, gu_layout, CHUNKED, W)
             gu1 = _gate_up_half(xqh, stages, ready, n + 1, D, NSTAGE, gu_layout, CHUNKED, W)
+            mbarrier.arrive(turn.index(1 - W), count=1)
+            blk += 1
             gu0 = warpgroup_mma_wait(num_outstanding=NC, deps=(gu0,))
             # Every thread of the warpgroup read its bf16 x before the wgmmas above.
             mbarrier.arrive(x_empty.index(W), count=1)
@@ -433,11 +436,15 @@ def _mma_partition_split(W: gl.constexpr, xs, xq, aqs, stages, scales, ready, em
             acc = gl.zeros([64, 256], gl.float32, acc_layout)
             for j in range(1, NI):
                 acc, s_prev = _split_slice(acc, j == 1, s_prev, s_x, xqh, aq, stages, scales,
-                                           ready, empty, n, D, NSTAGE, gu_layout, g_layout,
-                                           rows_layout, CHUNKED, W, RCP)
+                                           ready, empty, turn, blk, n, D, NSTAGE, gu_layout,
+                                           g_layout, rows_layout, CHUNKED, W, RCP)
                 n += 3
-            # The last slice's down product (its stage is n - 1).
+                blk += 1
+            # The last block: the last slice's down product (its stage is n - 1).
+            mbarrier.wait(turn.index(W), (blk & 1) ^ (1 - W))
             acc = _down(aq, stages, ready, n - 1, acc, NSTAGE, use_acc=NI > 1)
+            mbarrier.arrive(turn.index(1 - W), count=1)
+            blk += 1
             sd = gl.load(sd_ptr + f * D + cols)
             row_ok, prob, dst = _half_rows(row0 + W * 64, end, f, probs_ptr, slot_ptr,
                                            gather_ids_ptr, E, first_head, group_heads, slot_base,
@@ -559,7 +566,7 @@ def _mma(W: gl.constexpr, xs, xq, aqs, stages, scales, ready, empty, x_ready, x_
     """MMA warpgroup W: `_mma_partition_split` with SPLIT (no turns), else `_mma_partition`."""
     if SPLIT:
         _mma_partition_split(W, xs, xq, aqs, stages, scales, ready, empty, x_ready, x_empty,
-                             tile_expert_ptr, tile_first_ptr, offsets_ptr, ntiles_ptr,
+                             turn, tile_expert_ptr, tile_first_ptr, offsets_ptr, ntiles_ptr,
                              gather_ids_ptr, probs_ptr, sd_ptr, out_ptr, slot_ptr, E,
                              first_expert, first_head, group_heads, slot_base, D, I, NSTAGE,
                              DETERMINISTIC, RCP, SKIP, CHUNKED, sxs)
