@@ -16,7 +16,7 @@ measured in the same run. --reciprocals: each fp8 kernel also with
 same rounds (block_i must be the scheme's ACT_BLOCK, 64). --skip-empty: the Gluon kernel
 also with `Fp8ForwardConfig.skip_empty_halves` (sm_90). --gluon: the Gluon kernel (sm_90)
 also with each ';'-separated set of its options, in the same rounds: rcp (reciprocals),
-skip (skip_empty_halves), chk (chunked_x), split (split_slices); with --gluon-only, those
+skip (skip_empty_halves), chk (chunked_x); with --gluon-only, those
 alone beside the bf16 kernel (for a profiler's launch count: `ncu --launch-skip`).
 """
 
@@ -52,8 +52,7 @@ def parse_tiles(spec: str) -> Fp8ForwardConfig:
         raise SystemExit(f"--tiles: '{spec}' is not m/i/w/s tiles the kernel takes: {e}") from None
 
 
-GLUON_OPTIONS = {"rcp": "reciprocals", "skip": "skip_empty_halves", "chk": "chunked_x",
-                 "split": "split_slices"}
+GLUON_OPTIONS = {"rcp": "reciprocals", "skip": "skip_empty_halves", "chk": "chunked_x"}
 
 
 def parse_gluon(spec: str) -> Fp8ForwardConfig:
@@ -142,7 +141,6 @@ def main() -> int:
                 variant = "fp8 ws (Gluon)" + (" skip empty halves"
                                               if modes[name].skip_empty_halves else "")
                 variant += " chunked x" if modes[name].chunked_x else ""
-                variant += " split slices" if modes[name].split_slices else ""
             else:
                 c = modes[name]
                 variant = f"fp8 {c.block_m}/{c.block_i}/{c.num_warps}/{c.num_stages}"

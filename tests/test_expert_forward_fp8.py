@@ -208,7 +208,7 @@ def test_a_table_choice_of_the_gluon_kernel_runs_the_triton_one_where_it_cannot(
     # (with the Gluon kernel's own options on: they go with the Gluon kernel)
     monkeypatch.setattr(tuning, "fp8_forward_config", lambda *a, **k: Fp8ForwardConfig(
         32, ACT_BLOCK, 4, 1, warp_specialized=True, skip_empty_halves=True,
-        chunked_x=True, split_slices=True))
+        chunked_x=True))
     x, layout, w = problem(20, 2, 4, 2, 32, 64, seed=3)
     q = quantize_weights(*w)
     for deterministic in (False, True):
@@ -218,7 +218,7 @@ def test_a_table_choice_of_the_gluon_kernel_runs_the_triton_one_where_it_cannot(
         assert torch.equal(got, run(x, layout, q, tiles, deterministic)), deterministic
 
 
-@pytest.mark.parametrize("option", ["skip_empty_halves", "chunked_x", "split_slices"])
+@pytest.mark.parametrize("option", ["skip_empty_halves", "chunked_x"])
 def test_gluon_options_need_the_gluon_kernel(option):
     with pytest.raises(ValueError, match=f"{option} is an option of the Gluon"):
         Fp8ForwardConfig(32, ACT_BLOCK, 4, 1, **{option: True})
@@ -227,8 +227,7 @@ def test_gluon_options_need_the_gluon_kernel(option):
 
 
 @pytest.mark.parametrize("option, constexpr", [("skip_empty_halves", "SKIP"),
-                                               ("chunked_x", "CHUNKED"),
-                                               ("split_slices", "SPLIT")])
+                                               ("chunked_x", "CHUNKED")])
 def test_gluon_options_reach_the_gluon_launch(monkeypatch, option, constexpr):
     # The Gluon kernel cannot run here: with its shape check passed, the launch itself is
     # recorded (its kwargs become the kernel's constexprs through kernel_options), once a
@@ -241,7 +240,7 @@ def test_gluon_options_reach_the_gluon_launch(monkeypatch, option, constexpr):
     monkeypatch.setattr(ws, "launch_fp8_ws", lambda *a, **k: seen.append(k))
     x, layout, w = problem(20, 2, 4, 2, 256, 64, seed=3)
     q = quantize_weights(*w)
-    options = ("reciprocals", "skip_empty_halves", "chunked_x", "split_slices")
+    options = ("reciprocals", "skip_empty_halves", "chunked_x")
     for on in (True, False):
         seen.clear()
         run(x, layout, q, Fp8ForwardConfig(128, ACT_BLOCK, 4, 1, warp_specialized=True,

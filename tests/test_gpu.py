@@ -448,7 +448,7 @@ def fp8_gluon_case(S, H, E, K, I, edge, group_bytes, monkeypatch):
 
 
 def spy_fp8_gluon_option(monkeypatch, constexpr):
-    """The values of the fp8 Gluon kernel's constexpr `constexpr` (RCP, SKIP, CHUNKED, SPLIT) that
+    """The values of the fp8 Gluon kernel's constexpr `constexpr` (RCP, SKIP, CHUNKED) that
     its launches ask for from here on, one a launch: equal outputs alone would not show that
     an option reached the kernel."""
     import mhmoe.kernels.expert_forward_fp8_sm90 as g8
@@ -969,35 +969,6 @@ def test_fp8_gluon_chunked_x_gives_the_same_outputs(S, H, E, K, I, edge, monkeyp
         assert_same_outputs(lambda c, det: triton_expert_forward_fp8(
             x, *layout, *weights, deterministic=det, config=c),
             base, dataclasses.replace(base, chunked_x=True), edge)
-    assert True in seen and False in seen, seen
-
-
-@pytest.mark.parametrize("S,H,E,K,I,edge", [
-    (200, 2, 4, 2, 64, "one slice of I: the first slice is the last"),
-    (1100, 2, 8, 4, 128, "two slices of I, last tiles of 64 rows or fewer"),
-    (8192, 2, 8, 4, 192, "about 4 tiles a program, three slices"),
-    (1024, 12, 256, 6, 1280, "MAGI-2 at 1,024 tokens"),
-    (8192, 12, 256, 6, 1280, "MAGI-2 at 8,192 tokens, several tiles a program"),
-])
-def test_fp8_gluon_split_slices_gives_the_same_outputs(S, H, E, K, I, edge, monkeypatch):
-    # Fp8ForwardConfig.split_slices: each slice's gate|up in two halves of 32 columns of I
-    # (stages laid out by half, their scales with them), the row scale of the SwiGLU7
-    # output the max over both halves, the halves joined into the down product's operand,
-    # the first down product starting the accumulator, and no turns between the
-    # warpgroups. The same values reach the same arithmetic: bitwise in deterministic mode,
-    # as the table runs the kernel (the reciprocals, with chunked_x and with the empty
-    # halves' skip). The launches are seen to ask for the option.
-    import mhmoe.kernels.tuning as tuning
-    from mhmoe.kernels.expert_forward_fp8 import triton_expert_forward_fp8
-
-    x, weights, layout = fp8_gluon_case(S, H, E, K, I, edge, None, monkeypatch)
-    seen = spy_fp8_gluon_option(monkeypatch, "SPLIT")
-    cfg = tuning.Fp8ForwardConfig(128, 64, 4, 1, warp_specialized=True, reciprocals=True)
-    for base in (dataclasses.replace(cfg, chunked_x=True),
-                 dataclasses.replace(cfg, skip_empty_halves=True)):
-        assert_same_outputs(lambda c, det: triton_expert_forward_fp8(
-            x, *layout, *weights, deterministic=det, config=c),
-            base, dataclasses.replace(base, split_slices=True), edge)
     assert True in seen and False in seen, seen
 
 

@@ -207,8 +207,7 @@ def triton_expert_forward_fp8(
     groups = HeadGroups(y, gather_ids, offsets, E, deterministic, "expert_forward_fp8")
     if config.warp_specialized:
         sm90 = tuning.fp8_forward_sm90_config()
-        descs = ws.descriptors(wg_t, wu_t, wd_t, gate_scale, up_scale,
-                               split=config.split_slices)
+        descs = ws.descriptors(wg_t, wu_t, wd_t, gate_scale, up_scale)
         for h0, g, routes, out in groups:
             max_tiles = triton.cdiv(routes, sm90.block_m) + g * E
             tile_expert, tile_first, total = tile_map(offsets, h0 * E, g * E, sm90.block_m,

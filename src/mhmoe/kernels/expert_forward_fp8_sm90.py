@@ -89,57 +89,35 @@ def _down_view(stages, slot):
 @gluon.jit
 def _w_loader(wg_desc, wu_desc, wd_desc, sg_desc, su_desc, stages, scales, ready, empty,
               tile_expert_ptr, ntiles_ptr, first_expert, D: gl.constexpr, I: gl.constexpr,
-              NSTAGE: gl.constexpr, SPLIT: gl.constexpr):
+              NSTAGE: gl.constexpr):
     """The weight stages of every tile of this program, in consumption order: per slice j
     of I, gate|up chunks c over D (64 rows j*64.. of W_gate^T[f] and W_up^T[f], columns
     c*128..), the last with the slice's gate and up scales; then W_down^T[f]'s columns
-    j*64.. over all of D. With SPLIT the slice's gate|up stages are its two halves h of 32
-    columns of I instead: rows c*64.. of a stage hold chunk c of D (32 rows j*64 + h*32..
-    of W_gate^T[f], then the same of W_up^T[f]), and each carries its half's scales."""
+    j*64.. over all of D."""
     num_tiles = gl.load(ntiles_ptr)
     n = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         f = first_expert + gl.load(tile_expert_ptr + t)
         for j in range(I // 64):
-            if SPLIT:
-                for h in gl.static_range(2):
-                    slot = n % NSTAGE
-                    mbarrier.wait(empty.index(slot), ((n // NSTAGE) & 1) ^ 1)
-                    bar = ready.index(slot)
-                    st = stages.index(slot)
-                    mbarrier.expect(bar, 2 * (D // 128) * wg_desc.block_type.nbytes
+            for c in gl.static_range(D // 128):
+                slot = n % NSTAGE
+                mbarrier.wait(empty.index(slot), ((n // NSTAGE) & 1) ^ 1)
+                bar = ready.index(slot)
+                st = stages.index(slot)
+                if c == D // 128 - 1:
+                    mbarrier.expect(bar, 2 * wg_desc.block_type.nbytes
                                     + 2 * sg_desc.block_type.nbytes)
-                    half = f * (I // 32) + j * 2 + h
-                    tma.async_copy_global_to_shared(sg_desc, [half, 0], bar,
+                    tma.async_copy_global_to_shared(sg_desc, [f * (I // 64) + j, 0], bar,
                                                     scales.index(2 * slot))
-                    tma.async_copy_global_to_shared(su_desc, [half, 0], bar,
+                    tma.async_copy_global_to_shared(su_desc, [f * (I // 64) + j, 0], bar,
                                                     scales.index(2 * slot + 1))
-                    for c in gl.static_range(D // 128):
-                        tma.async_copy_global_to_shared(wg_desc, [half * 32, c * 128], bar,
-                                                        st.slice(c * 64, 32, dim=0))
-                        tma.async_copy_global_to_shared(wu_desc, [half * 32, c * 128], bar,
-                                                        st.slice(c * 64 + 32, 32, dim=0))
-                    n += 1
-            else:
-                for c in gl.static_range(D // 128):
-                    slot = n % NSTAGE
-                    mbarrier.wait(empty.index(slot), ((n // NSTAGE) & 1) ^ 1)
-                    bar = ready.index(slot)
-                    st = stages.index(slot)
-                    if c == D // 128 - 1:
-                        mbarrier.expect(bar, 2 * wg_desc.block_type.nbytes
-                                        + 2 * sg_desc.block_type.nbytes)
-                        tma.async_copy_global_to_shared(sg_desc, [f * (I // 64) + j, 0], bar,
-                                                        scales.index(2 * slot))
-                        tma.async_copy_global_to_shared(su_desc, [f * (I // 64) + j, 0], bar,
-                                                        scales.index(2 * slot + 1))
-                    else:
-                        mbarrier.expect(bar, 2 * wg_desc.block_type.nbytes)
-                    tma.async_copy_global_to_shared(wg_desc, [f * I + j * 64, c * 128], bar,
-                                                    st.slice(0, 64, dim=0))
-                    tma.async_copy_global_to_shared(wu_desc, [f * I + j * 64, c * 128], bar,
-                                                    st.slice(64, 64, dim=0))
-                    n += 1
+                else:
+                    mbarrier.expect(bar, 2 * wg_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(wg_desc, [f * I + j * 64, c * 128], bar,
+                                                st.slice(0, 64, dim=0))
+                tma.async_copy_global_to_shared(wu_desc, [f * I + j * 64, c * 128], bar,
+                                                st.slice(64, 64, dim=0))
+                n += 1
             slot = n % NSTAGE
             mbarrier.wait(empty.index(slot), ((n // NSTAGE) & 1) ^ 1)
             bar = ready.index(slot)
@@ -232,12 +210,12 @@ def _gate_up_rest(xq, stages, ready, empty, gu, n, D: gl.constexpr, NSTAGE: gl.c
 
 
 @gluon.jit
-def _down(aq, stages, ready, n, acc, NSTAGE: gl.constexpr, use_acc=True):
+def _down(aq, stages, ready, n, acc, NSTAGE: gl.constexpr):
     """Issues acc += aq @ W_down slice (aq in shared memory, W_down from stage n, all of
-    D; acc = the product where use_acc is false)."""
+    D)."""
     _wait_stage(stages, ready, n, NSTAGE)
     return warpgroup_mma(aq, _down_view(stages, n % NSTAGE).permute((1, 0)), acc,
-                         use_acc=use_acc, is_async=True)
+                         is_async=True)
 
 
 @gluon.jit
@@ -288,174 +266,6 @@ def _skip_half(W: gl.constexpr, stages, ready, empty, x_ready, x_empty, turn, n,
         mbarrier.arrive(turn.index(1 - W), count=1)
         blk += 1
     return n, blk
-
-
-@gluon.jit
-def _gate_up_half(xq, stages, ready, n, D: gl.constexpr, NSTAGE: gl.constexpr,
-                  gu_layout: gl.constexpr, CHUNKED: gl.constexpr, W: gl.constexpr):
-    """Issues gu = xq @ [W_gate | W_up] over one half of a slice (32 + 32 columns of I)
-    from stage n (SPLIT's layout: rows c*64.. hold chunk c of D): D / 128 wgmmas, each its
-    own group, into a fresh accumulator."""
-    st = _wait_stage(stages, ready, n, NSTAGE)
-    gu = warpgroup_mma(_x_slab(xq, 0, CHUNKED, W), st.slice(0, 64, dim=0).permute((1, 0)),
-                       gl.zeros([64, 64], gl.float32, gu_layout), use_acc=False,
-                       is_async=True)
-    for c in gl.static_range(1, D // 128):
-        gu = warpgroup_mma(_x_slab(xq, c, CHUNKED, W),
-                           st.slice(c * 64, 64, dim=0).permute((1, 0)), gu, is_async=True)
-    return gu
-
-
-@gluon.jit
-def _half_swiglu(gu, s_x, scales, slot, g_layout: gl.constexpr, RCP: gl.constexpr):
-    """The SwiGLU7 output over a half slice from its gate|up accumulator, with the half's
-    gate and up channel scales from the slot of stage slot: `_activation`'s operations on
-    32 columns."""
-    g, u = gu.reshape([64, 2, 32]).permute((0, 2, 1)).split()
-    g = gl.convert_layout(g, g_layout)
-    u = gl.convert_layout(u, g_layout)
-    sg = scales.index(2 * slot).load(g_layout)  # [1, 32]
-    su = scales.index(2 * slot + 1).load(g_layout)
-    return _swiglu7_fp32(g * s_x[:, None] * sg, u * s_x[:, None] * su, RCP)
-
-
-@gluon.jit
-def _split_quantize(a0, gu1, s_x, scales, slot1, aq, g_layout: gl.constexpr, RCP: gl.constexpr):
-    """`_activation`'s quantization from a slice's two halves: a0, the first half's SwiGLU7
-    output, and gu1, the second's accumulator (its scales in the slot of stage slot1). The
-    row scale is the max over both halves (max is exact: `_activation`'s value), each
-    half quantized by it, the two joined into aq's 64 columns. Returns s_a."""
-    a1 = _half_swiglu(gu1, s_x, scales, slot1, g_layout, RCP)
-    amax = gl.maximum(gl.max(gl.abs(a0), axis=1), gl.max(gl.abs(a1), axis=1))
-    s_a = gl.maximum(amax, _AMAX_FLOOR) / _FP8_MAX
-    q0 = _divide(a0, s_a[:, None], RCP).to(gl.float8e4nv)
-    q1 = _divide(a1, s_a[:, None], RCP).to(gl.float8e4nv)
-    aq.store(gl.join(q0, q1).permute((0, 2, 1)).reshape([64, 64]))
-    fence_async_shared()
-    return s_a
-
-
-@gluon.jit
-def _split_slice(acc, first, s_prev, s_x, xq, aq, stages, scales, ready, empty, turn, blk,
-                 n, D: gl.constexpr, NSTAGE: gl.constexpr, gu_layout: gl.constexpr,
-                 g_layout: gl.constexpr, rows_layout: gl.constexpr, CHUNKED: gl.constexpr,
-                 W: gl.constexpr, RCP: gl.constexpr):
-    """A slice after the first (SPLIT), with no wgmma of this warpgroup in flight on entry
-    or exit: stages n, n + 1, n + 2 hold its halves and its down chunk; stage n - 1 the
-    down chunk of the slice before, whose quantized activation is in aq and whose
-    accumulator acc is in its units (first: the slice before is slice 0, and its down
-    product starts acc). Issues that down product and the slice's two halves,
-    runs the first half's SwiGLU7 while the second's wgmmas run, then the second half's,
-    the quantization and the rescale. ptxas serialises every wgmma of the kernel if a
-    wgmma stays in flight across the loop's back edge or while the accumulator is written
-    (the rescale). Returns (acc, s_a)."""
-    NC: gl.constexpr = D // 128
-    mbarrier.wait(turn.index(W), (blk & 1) ^ (1 - W))
-    acc = _down(aq, stages, ready, n - 1, acc, NSTAGE, use_acc=not first)
-    gu0 = _gate_up_half(xq, stages, ready, n, D, NSTAGE, gu_layout, CHUNKED, W)
-    gu1 = _gate_up_half(xq, stages, ready, n + 1, D, NSTAGE, gu_layout, CHUNKED, W)
-    mbarrier.arrive(turn.index(1 - W), count=1)
-    acc, gu0 = warpgroup_mma_wait(num_outstanding=NC, deps=(acc, gu0))
-    _release(empty, n - 1, NSTAGE)
-    a0 = _half_swiglu(gu0, s_x, scales, n % NSTAGE, g_layout, RCP)
-    _release(empty, n, NSTAGE)
-    gu1 = warpgroup_mma_wait(num_outstanding=0, deps=(gu1,))
-    s_a = gl.convert_layout(
-        _split_quantize(a0, gu1, s_x, scales, (n + 1) % NSTAGE, aq, g_layout, RCP),
-        rows_layout)
-    _release(empty, n + 1, NSTAGE)
-    return acc * _divide(s_prev, s_a, RCP)[:, None], s_a
-
-
-@gluon.jit
-def _mma_partition_split(W: gl.constexpr, xs, xq, aqs, stages, scales, ready, empty, x_ready,
-                         x_empty, turn, tile_expert_ptr, tile_first_ptr, offsets_ptr, ntiles_ptr,
-                         gather_ids_ptr, probs_ptr, sd_ptr, out_ptr, slot_ptr, E,
-                         first_expert, first_head, group_heads, slot_base, D: gl.constexpr,
-                         I: gl.constexpr, NSTAGE: gl.constexpr, DETERMINISTIC: gl.constexpr,
-                         RCP: gl.constexpr, SKIP: gl.constexpr, CHUNKED: gl.constexpr, sxs):
-    """`_mma_partition` with SPLIT (`Fp8ForwardConfig.split_slices`): the same rows and
-    values, scheduled so that a warpgroup's own wgmmas run under its activation, with no
-    turns between the warpgroups. A slice's gate|up comes in two halves of 32 columns of
-    I (N = 64, 32 registers each): the first half's SwiGLU7 runs while the second half's
-    wgmmas do, the second's (with the row scale over both, the quantization and the
-    rescale) while the next slice's first half's do; the down product of slice j retires
-    under the next slice's second half. In flight across the slice loop: the down
-    accumulator (128 registers) and the next first half (32)."""
-    NI: gl.constexpr = I // 64
-    NC: gl.constexpr = D // 128
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 32])
-    gu_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 32])
-    g_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 32, 32])
-    rows_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
-    cols = gl.arange(0, 256, layout=gl.SliceLayout(0, acc_layout))
-    if CHUNKED:
-        xqh = xq
-    else:
-        xh = xs.index(W)
-        xqh = xq.index(W)
-    aq = aqs.index(W)
-    num_tiles = gl.load(ntiles_ptr)
-    n = 0  # stages taken from the ring: per slice its two halves, then its down chunk
-    blk = 0  # blocks run (turns taken)
-    k = 0  # tiles run
-    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        f, row0, end = _tile_rows0(t, tile_expert_ptr, tile_first_ptr, offsets_ptr,
-                                   first_expert)
-        if SKIP and W == 1 and row0 + 64 >= end:
-            # The same stages a block as the halves take (D = 256: two halves, two chunks).
-            n, blk = _skip_half(W, stages, ready, empty, x_ready, x_empty, turn, n, blk, k, D,
-                                I, NSTAGE)
-        else:
-            mbarrier.wait(x_ready.index(W), k & 1)
-            if CHUNKED:
-                s_x = _quantize_x_rows(xs, xq, sxs, W, g_layout, RCP)
-            else:
-                s_x = _quantize_x(xh, xqh, g_layout, RCP)
-            # Slice 0: its halves, and no rescale; its down product (issued with the next
-            # slice's halves) starts the accumulator.
-            mbarrier.wait(turn.index(W), (blk & 1) ^ (1 - W))
-            gu0 = _gate_up_half(xqh, stages, ready, n, D, NSTAGE, gu_layout, CHUNKED, W)
-            gu1 = _gate_up_half(xqh, stages, ready, n + 1, D, NSTAGE, gu_layout, CHUNKED, W)
-            mbarrier.arrive(turn.index(1 - W), count=1)
-            blk += 1
-            gu0 = warpgroup_mma_wait(num_outstanding=NC, deps=(gu0,))
-            # Every thread of the warpgroup read its bf16 x before the wgmmas above.
-            mbarrier.arrive(x_empty.index(W), count=1)
-            a0 = _half_swiglu(gu0, s_x, scales, n % NSTAGE, g_layout, RCP)
-            _release(empty, n, NSTAGE)
-            gu1 = warpgroup_mma_wait(num_outstanding=0, deps=(gu1,))
-            s_prev = gl.convert_layout(
-                _split_quantize(a0, gu1, s_x, scales, (n + 1) % NSTAGE, aq, g_layout, RCP),
-                rows_layout)
-            _release(empty, n + 1, NSTAGE)
-            n += 3
-            acc = gl.zeros([64, 256], gl.float32, acc_layout)
-            for j in range(1, NI):
-                acc, s_prev = _split_slice(acc, j == 1, s_prev, s_x, xqh, aq, stages, scales,
-                                           ready, empty, turn, blk, n, D, NSTAGE, gu_layout,
-                                           g_layout, rows_layout, CHUNKED, W, RCP)
-                n += 3
-                blk += 1
-            # The last block: the last slice's down product (its stage is n - 1).
-            mbarrier.wait(turn.index(W), (blk & 1) ^ (1 - W))
-            acc = _down(aq, stages, ready, n - 1, acc, NSTAGE, use_acc=NI > 1)
-            mbarrier.arrive(turn.index(1 - W), count=1)
-            blk += 1
-            sd = gl.load(sd_ptr + f * D + cols)
-            row_ok, prob, dst = _half_rows(row0 + W * 64, end, f, probs_ptr, slot_ptr,
-                                           gather_ids_ptr, E, first_head, group_heads, slot_base,
-                                           rows_layout, DETERMINISTIC)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            _release(empty, n - 1, NSTAGE)
-
-            acc = acc * s_prev[:, None]
-            acc = acc * sd[None, :] * prob[:, None]
-            _combine_half(out_ptr + dst[:, None] * D + cols[None, :], acc, row_ok, DETERMINISTIC)
-        k += 1
 
 
 @gluon.jit
@@ -557,28 +367,6 @@ def _mma_partition(W: gl.constexpr, xs, xq, aqs, stages, scales, ready, empty, x
 
 
 @gluon.jit
-def _mma(W: gl.constexpr, xs, xq, aqs, stages, scales, ready, empty, x_ready, x_empty, turn,
-         tile_expert_ptr, tile_first_ptr, offsets_ptr, ntiles_ptr, gather_ids_ptr, probs_ptr,
-         sd_ptr, out_ptr, slot_ptr, E, first_expert, first_head, group_heads, slot_base,
-         D: gl.constexpr, I: gl.constexpr, NSTAGE: gl.constexpr, DETERMINISTIC: gl.constexpr,
-         RCP: gl.constexpr, SKIP: gl.constexpr, CHUNKED: gl.constexpr, SPLIT: gl.constexpr,
-         sxs):
-    """MMA warpgroup W: `_mma_partition_split` with SPLIT (no turns), else `_mma_partition`."""
-    if SPLIT:
-        _mma_partition_split(W, xs, xq, aqs, stages, scales, ready, empty, x_ready, x_empty,
-                             turn, tile_expert_ptr, tile_first_ptr, offsets_ptr, ntiles_ptr,
-                             gather_ids_ptr, probs_ptr, sd_ptr, out_ptr, slot_ptr, E,
-                             first_expert, first_head, group_heads, slot_base, D, I, NSTAGE,
-                             DETERMINISTIC, RCP, SKIP, CHUNKED, sxs)
-    else:
-        _mma_partition(W, xs, xq, aqs, stages, scales, ready, empty, x_ready, x_empty, turn,
-                       tile_expert_ptr, tile_first_ptr, offsets_ptr, ntiles_ptr,
-                       gather_ids_ptr, probs_ptr, sd_ptr, out_ptr, slot_ptr, E, first_expert,
-                       first_head, group_heads, slot_base, D, I, NSTAGE, DETERMINISTIC, RCP,
-                       SKIP, CHUNKED, sxs)
-
-
-@gluon.jit
 def _expert_forward_fp8_sm90_kernel(
     x_ptr, stride_xs, stride_xh,  # x_heads [S, H, D] bf16, unit stride along D
     gather_ids_ptr, probs_ptr, offsets_ptr,  # the RouteLayout: [R], [R], [H*E + 1]
@@ -589,7 +377,7 @@ def _expert_forward_fp8_sm90_kernel(
     E, first_expert, first_head, group_heads, slot_base,
     D: gl.constexpr, I: gl.constexpr, NSTAGE: gl.constexpr, DETERMINISTIC: gl.constexpr,
     MMA_REGS: gl.constexpr, LOAD_REGS: gl.constexpr, RCP: gl.constexpr = False,
-    SKIP: gl.constexpr = False, CHUNKED: gl.constexpr = False, SPLIT: gl.constexpr = False,
+    SKIP: gl.constexpr = False, CHUNKED: gl.constexpr = False,
 ):
     """Expert MLPs of the tiles of a head group, fp8 weights (see the module docstring).
 
@@ -624,10 +412,8 @@ def _expert_forward_fp8_sm90_kernel(
     stages = gl.allocate_shared_memory(gl.float8e4nv, [NSTAGE, 128, 128],
                                        gl.NVMMASharedLayout.get_default_for([128, 128],
                                                                             gl.float8e4nv))
-    # A stage's gate and up channel scales: a slice's (64 each), or with SPLIT a half's.
-    scales = gl.allocate_shared_memory(gl.float32, [2 * NSTAGE, 1, 32 if SPLIT else 64],
-                                       gl.NVMMASharedLayout(swizzle_byte_width=0,
-                                                            element_bitwidth=32, rank=2))
+    scales = gl.allocate_shared_memory(gl.float32, [2 * NSTAGE, 1, 64], gl.NVMMASharedLayout(
+        swizzle_byte_width=0, element_bitwidth=32, rank=2))
     ready = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], mbarrier.MBarrierLayout())
     x_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -641,18 +427,18 @@ def _expert_forward_fp8_sm90_kernel(
         mbarrier.init(x_empty.index(w), count=1)
         mbarrier.init(turn.index(w), count=1)
     gl.warp_specialize([
-        (_mma, (0, xs, xq, aqs, stages, scales, ready, empty, x_ready, x_empty, turn,
-                tile_expert_ptr, tile_first_ptr, offsets_ptr, ntiles_ptr, gather_ids_ptr,
-                probs_ptr, sd_ptr, out_ptr, slot_ptr, E, first_expert, first_head,
-                group_heads, slot_base, D, I, NSTAGE, DETERMINISTIC, RCP, SKIP, CHUNKED,
-                SPLIT, sxs)),
-        (_mma, (1, xs, xq, aqs, stages, scales, ready, empty, x_ready, x_empty, turn,
-                tile_expert_ptr, tile_first_ptr, offsets_ptr, ntiles_ptr, gather_ids_ptr,
-                probs_ptr, sd_ptr, out_ptr, slot_ptr, E, first_expert, first_head,
-                group_heads, slot_base, D, I, NSTAGE, DETERMINISTIC, RCP, SKIP, CHUNKED,
-                SPLIT, sxs)),
+        (_mma_partition, (0, xs, xq, aqs, stages, scales, ready, empty, x_ready, x_empty, turn,
+                          tile_expert_ptr, tile_first_ptr, offsets_ptr, ntiles_ptr,
+                          gather_ids_ptr, probs_ptr, sd_ptr, out_ptr, slot_ptr, E,
+                          first_expert, first_head, group_heads, slot_base, D, I, NSTAGE,
+                          DETERMINISTIC, RCP, SKIP, CHUNKED, sxs)),
+        (_mma_partition, (1, xs, xq, aqs, stages, scales, ready, empty, x_ready, x_empty, turn,
+                          tile_expert_ptr, tile_first_ptr, offsets_ptr, ntiles_ptr,
+                          gather_ids_ptr, probs_ptr, sd_ptr, out_ptr, slot_ptr, E,
+                          first_expert, first_head, group_heads, slot_base, D, I, NSTAGE,
+                          DETERMINISTIC, RCP, SKIP, CHUNKED, sxs)),
         (_w_loader, (wg_desc, wu_desc, wd_desc, sg_desc, su_desc, stages, scales, ready, empty,
-                     tile_expert_ptr, ntiles_ptr, first_expert, D, I, NSTAGE, SPLIT)),
+                     tile_expert_ptr, ntiles_ptr, first_expert, D, I, NSTAGE)),
         (_x_loader, (x_ptr, stride_xs, stride_xh, gather_ids_ptr, xs, x_ready, x_empty,
                      tile_expert_ptr, tile_first_ptr, offsets_ptr, ntiles_ptr, first_expert,
                      E, D, 1, CHUNKED)),
@@ -671,32 +457,29 @@ def fp8_ws_fits(x_heads: torch.Tensor, wg_t: torch.Tensor, wd_t: torch.Tensor) -
 
 
 def descriptors(wg_t: torch.Tensor, wu_t: torch.Tensor, wd_t: torch.Tensor,
-                gate_scale: torch.Tensor, up_scale: torch.Tensor, split: bool = False) -> tuple:
+                gate_scale: torch.Tensor, up_scale: torch.Tensor) -> tuple:
     """The kernel's TMA descriptors: W_gate^T and W_up^T as [F*I, D] in [64, 128] boxes,
     W_down^T as [F*D, I] in [256, 64] boxes (contiguous K-major weights), the
-    gate and up scales as [F*I/64, 64] in [1, 64] boxes. split (SPLIT's stages, a half
-    slice each): gate and up in [32, 128] boxes, their scales as [F*I/32, 32] in [1, 32]."""
+    gate and up scales as [F*I/64, 64] in [1, 64] boxes."""
     F, I, D = wg_t.shape
     wg_t, wu_t, wd_t = wg_t.contiguous(), wu_t.contiguous(), wd_t.contiguous()
     gate_scale, up_scale = gate_scale.contiguous(), up_scale.contiguous()
     fp8 = gl.float8e4nv
-    rows = 32 if split else 64
-    gu = gl.NVMMASharedLayout.get_default_for([rows, 128], fp8)
+    gu = gl.NVMMASharedLayout.get_default_for([64, 128], fp8)
     down = gl.NVMMASharedLayout.get_default_for([256, 64], fp8)
     scale = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-    return (TensorDescriptor.from_tensor(wg_t.view(F * I, D), [rows, 128], gu),
-            TensorDescriptor.from_tensor(wu_t.view(F * I, D), [rows, 128], gu),
+    return (TensorDescriptor.from_tensor(wg_t.view(F * I, D), [64, 128], gu),
+            TensorDescriptor.from_tensor(wu_t.view(F * I, D), [64, 128], gu),
             TensorDescriptor.from_tensor(wd_t.view(F * D, I), [256, 64], down),
-            TensorDescriptor.from_tensor(gate_scale.view(F * I // rows, rows), [1, rows], scale),
-            TensorDescriptor.from_tensor(up_scale.view(F * I // rows, rows), [1, rows], scale))
+            TensorDescriptor.from_tensor(gate_scale.view(F * I // 64, 64), [1, 64], scale),
+            TensorDescriptor.from_tensor(up_scale.view(F * I // 64, 64), [1, 64], scale))
 
 
 # `Fp8ForwardConfig`'s options of this kernel -> its constexprs, and how a compile case
 # names them.
 OPTIONS = {"reciprocals": ("RCP", "reciprocals"),
            "skip_empty_halves": ("SKIP", "skip empty halves"),
-           "chunked_x": ("CHUNKED", "chunked x"),
-           "split_slices": ("SPLIT", "split slices")}
+           "chunked_x": ("CHUNKED", "chunked x")}
 
 
 def config_options(config) -> dict:
@@ -741,8 +524,7 @@ def sm90_signature(config: Fp8ForwardSm90Config, D: int, I: int, deterministic: 
 
     fp8 = torch.float8_e4m3fn
     descs = descriptors(torch.empty(2, I, D, dtype=fp8), torch.empty(2, I, D, dtype=fp8),
-                        torch.empty(2, D, I, dtype=fp8), torch.empty(2, I), torch.empty(2, I),
-                        split=bool(options.get("split_slices")))
+                        torch.empty(2, D, I, dtype=fp8), torch.empty(2, I), torch.empty(2, I))
     sig = {"x_ptr": "*bf16", "stride_xs": "i32", "stride_xh": "i32", "gather_ids_ptr": "*i32",
            "probs_ptr": "*fp32", "offsets_ptr": "*i64", "tile_expert_ptr": "*i32",
            "tile_first_ptr": "*i32", "ntiles_ptr": "*i32",
@@ -757,10 +539,7 @@ def sm90_signature(config: Fp8ForwardSm90Config, D: int, I: int, deterministic: 
 # The compile cases: (deterministic, options on).
 _CASES = ((False, ()), (True, ()), (False, ("reciprocals",)), (False, ("skip_empty_halves",)),
           (False, ("reciprocals", "chunked_x")), (True, ("reciprocals", "chunked_x")),
-          (False, ("reciprocals", "skip_empty_halves")),
-          (False, ("reciprocals", "chunked_x", "split_slices")),
-          (True, ("reciprocals", "chunked_x", "split_slices")),
-          (False, ("reciprocals", "skip_empty_halves", "split_slices")))
+          (False, ("reciprocals", "skip_empty_halves")))
 
 
 def sm90_compile_cases() -> list:

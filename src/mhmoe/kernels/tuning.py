@@ -357,11 +357,6 @@ class Fp8ForwardConfig:
                 the unrolled code is fetched afresh each tile; x's bf16 and e4m3 tiles laid
                 out for it. The same values: the results are the same. The table's row at
                 many routes an expert (docs/fp8.md, "What would close it", item 7).
-    split_slices: with warp_specialized only: the Gluon kernel takes each slice's gate|up
-                in two halves of 32 columns of I, so that a warpgroup's SwiGLU7,
-                quantization and rescale run under its own next wgmmas, and its two MMA
-                warpgroups no longer take turns. The same values: the results are the
-                same (docs/fp8.md, "What would close it", item 8).
     """
 
     block_m: int
@@ -372,7 +367,6 @@ class Fp8ForwardConfig:
     reciprocals: bool = False
     skip_empty_halves: bool = False
     chunked_x: bool = False
-    split_slices: bool = False
 
     def __post_init__(self) -> None:
         check_tiles(self, ("block_m", "block_i"))
@@ -389,7 +383,7 @@ class Fp8ForwardConfig:
 
 # Fp8ForwardConfig's options of the Gluon kernel alone, off: what a table row keeps where it
 # runs the Triton kernel instead.
-GLUON_ONLY_OFF = dict(skip_empty_halves=False, chunked_x=False, split_slices=False)
+GLUON_ONLY_OFF = dict(skip_empty_halves=False, chunked_x=False)
 
 
 # Mean rows per expert -> tiles. On sm_90 the warp-specialised Gluon kernel at every size,
