@@ -69,8 +69,10 @@ def test_demo_prints_its_table():
     err = float(re.search(r"rel\. error\s*\S\s*([0-9.e+-]+)", out).group(1))
     assert 1e-4 < err < 2e-2, out  # bf16 operands: 1e-3..1e-2 against float64
     assert "12 heads x 2 experts" in out and "48 (bf16)" in out
-    # the time of each call; the CUDA graph's GPU time only on a GPU
+    # the time of each call (on a GPU, said to hold the host's launches); the CUDA graph's
+    # GPU time only on a GPU
     assert "ms (median of 1" in out and ("time (CUDA graph)" in out) == _cuda(), out
+    assert ("the host's launches included" in out) == _cuda(), out
 
 
 def test_demo_deterministic_flag():
