@@ -57,6 +57,7 @@ from mhmoe.bench import (
     measured_peaks,
     rel_err,
     result_row,
+    script_command,
     tensor_bytes,
     time_fn,
 )
@@ -265,7 +266,7 @@ def main() -> int:
         print("checks", json.dumps(found), flush=True)
     shape = dict(H=st.H, E=st.E, K=st.K, D=st.D, I=st.I)
     rows, table = [], []
-    command = "PYTHONPATH=src python3 benchmarks/bench_expert_backward.py " + " ".join(sys.argv[1:])
+    command = script_command("bench_expert_backward.py", sys.argv[1:])
     for S in () if args.sweep_only else st.sizes:
         for det in (False, True):
             t = time_size(st, S, gen, weights, det)

@@ -36,6 +36,7 @@ from mhmoe.bench import (
     matmul_peak_tflops,
     rel_err,
     result_row,
+    script_command,
 )
 from mhmoe.fp8 import fp8_expert_reference, quantize_weights
 from mhmoe.kernels.expert_forward import triton_expert_forward
@@ -148,9 +149,8 @@ def main() -> int:
                 variant += " reciprocals"
             rows.append(result_row("experts_fwd", variant,
                                    S, ms, env=env, tflops=flops / ms / 1e9,
-                                   command="PYTHONPATH=src python3 "
-                                           "benchmarks/bench_expert_fp8.py "
-                                           + " ".join(sys.argv[1:]), **extra))
+                                   command=script_command("bench_expert_fp8.py",
+                                                          sys.argv[1:]), **extra))
     if not args.no_record:
         print(f"rows appended to {append_results(rows)}")
     return 0

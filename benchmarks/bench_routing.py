@@ -55,6 +55,7 @@ from mhmoe.bench import (
     measured_peaks,
     rel_err,
     result_row,
+    script_command,
     time_fn,
 )
 from mhmoe.config import RouterOptions
@@ -647,7 +648,7 @@ def main() -> int:
         print(f"{env['device']}  torch {env['torch']}  triton {env['triton']}  copy "
               f"{peaks['copy_tbs']:.2f} TB/s  bf16 matmul {peaks['matmul_tflops']:.0f} "
               f"TFLOP/s", flush=True)
-    command = "PYTHONPATH=src python3 benchmarks/bench_routing.py " + " ".join(sys.argv[1:])
+    command = script_command("bench_routing.py", sys.argv[1:])
 
     def row(kernel, variant, tokens, ms, tflops=None, **extra):
         """A results-file row; a variant that failed keeps its error and no time."""

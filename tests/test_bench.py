@@ -11,6 +11,7 @@ from mhmoe.bench import (
     expert_tflops,
     plot_results,
     rel_err,
+    script_command,
     tensor_bytes,
     time_fn,
     write_results,
@@ -31,6 +32,16 @@ def test_rel_err_and_tensor_bytes_by_hand():
     assert rel_err(ref, ref) == 0.0
     assert rel_err(torch.empty(0), torch.empty(0)) == 0.0
     assert tensor_bytes([torch.zeros(3, 2, dtype=torch.bfloat16), torch.zeros(5)]) == 12 + 20
+
+
+def test_script_command_reruns_the_same_arguments():
+    # a sweep's variant list holds ';' and a shell would cut the line there unquoted
+    import shlex
+
+    argv = ["--sizes", "4096", "--sweep", "pdx=64/8/4,ws=1;panel=128/256/64/8/3", "--a b"]
+    line = script_command("bench_expert_backward.py", argv)
+    assert line.startswith("PYTHONPATH=src python3 benchmarks/bench_expert_backward.py ")
+    assert shlex.split(line)[3:] == argv
 
 
 def test_expert_tflops_by_hand():

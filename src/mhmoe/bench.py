@@ -10,6 +10,7 @@ scripts in benchmarks/ count FLOPs and time kernels the same way:
     interleaved([(name, fn), ...])   variants taking turns in shuffled rounds, for A/Bs
                                      under the H200's power cap (docs/measuring.md)
     append_results(rows)             rows appended to benchmarks/results.jsonl
+    script_command(script, argv)     the shell line that reruns a benchmark, for its rows
     rel_err(out, ref)                relative error (Frobenius norms) in float64
     call_peak_bytes(fn, device)      peak CUDA memory one call allocates, and its result
 
@@ -26,6 +27,7 @@ import json
 import os
 import platform
 import random
+import shlex
 import statistics
 import subprocess
 import time
@@ -274,6 +276,13 @@ def result_row(kernel: str, variant: str, tokens: int, ms: float, *, env: dict,
             "tflops": None if tflops is None else float(tflops),
             "gpu": env.get("device"), "torch": env.get("torch"), "triton": env.get("triton"),
             "commit": env.get("commit"), "date": env.get("date"), **extra}
+
+
+def script_command(script: str, argv: Sequence[str]) -> str:
+    """The shell line that reruns benchmarks/`script` with `argv`, as a row's `command`:
+    quoted, so that an argument holding ';' or spaces (the sweeps' variant lists) comes
+    back as one argument when the line is pasted."""
+    return "PYTHONPATH=src python3 " + shlex.join([f"benchmarks/{script}", *argv])
 
 
 def append_results(rows: Iterable[dict], path: str | os.PathLike | None = None) -> Path:
