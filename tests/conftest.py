@@ -22,6 +22,76 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+def _fast_interpreted_xor_sum() -> None:
+    """Triton 3.6's interpreter reduces with a combine function it does not know (here
+    tl.xor_sum, which tl.flip, tl.sort and tl.bitonic_merge use on integer keys) one
+    element at a time in Python: the sorting networks of the router's shortlists took
+    seconds a program, most of the CPU suite's routing time. xor is exact, associative
+    and commutative, so numpy's reduction gives the same bits in any order."""
+    import numpy as np
+    from triton.language import standard
+    from triton.runtime import interpreter
+
+    slow = interpreter.ReduceOps.apply_impl
+
+    def apply_impl(self, input):
+        if self.combine_fn == standard._xor_combine and len(input) == 1:
+            data = np.bitwise_xor.reduce(input[0].handle.data, axis=self.axis,
+                                         keepdims=self.keep_dims)
+            return self.to_tensor(data, input[0].dtype)
+        return slow(self, input)
+
+    interpreter.ReduceOps.apply_impl = apply_impl
+
+
+def _patch_language_once_a_launch() -> None:
+    """Triton 3.6's interpreter re-patches triton.language (inspect.getmembers over the
+    module, its tensor class and tl.math) on every call of a @triton.jit helper inside a
+    kernel, though the launch already patched them and the helper's call changes
+    nothing: about 0.4 ms a call, tens of thousands of calls a routing test. A call whose
+    language modules are already patched (their `arange` no longer the builtin) skips
+    it; the launch itself, which finds them unpatched, patches and restores as before."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    full = interpreter._patch_lang
+
+    def patch_lang(fn):
+        langs = [v for v in fn.__globals__.values() if v is tl or v is tl.core]
+        if langs and not any(tl.core.is_builtin(lang.arange) for lang in langs):
+            return interpreter._LangPatchScope()  # nothing to restore: the launch's scope does
+        return full(fn)
+
+    interpreter._patch_lang = patch_lang
+
+
+def _numpy_dtypes_built_once() -> None:
+    """The interpreter's `_get_np_dtype` builds its 17-entry dtype table on every call (tens
+    of thousands a kernel); the same table, built once, gives the same answers."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    full = interpreter._get_np_dtype
+    table = {}
+
+    def get_np_dtype(tt_dtype):
+        if isinstance(tt_dtype, tl.block_type):
+            tt_dtype = tt_dtype.element_ty
+        if isinstance(tt_dtype, tl.pointer_type):
+            return full(tt_dtype)
+        if tt_dtype not in table:
+            table[tt_dtype] = full(tt_dtype)
+        return table[tt_dtype]
+
+    interpreter._get_np_dtype = get_np_dtype
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _fast_interpreted_xor_sum()
+    _patch_language_once_a_launch()
+    _numpy_dtypes_built_once()
+
 # The env overrides of the layer must not leak in from the caller's shell.
 os.environ.pop("MAGI2_ROUTER_BIAS_SOURCE", None)
 os.environ.pop("MAGI2_DETERMINISTIC", None)

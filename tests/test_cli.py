@@ -1,15 +1,39 @@
-"""The `mhmoe` command, run as a user would: in a subprocess.
+"""The `mhmoe` command, run as a user would, through its entry point `mhmoe.cli.main`.
 
 Exit statuses (`mhmoe --help`): 0 ok, 1 a check failed, 2 usage or input error, 3 a
 bug. Results go to stdout, errors to stderr as one line without a traceback.
+
+Most runs are in this process (`mhmoe(...)`): a fresh Python costs 2.5-3 s of CPU to
+import torch and triton, some 75 times here. `_run_in_process` gives `main` what a fresh
+`python -m mhmoe` has where the command's output depends on it: stdout and stderr of its
+own (rich's consoles are made anew for the run, on them), COLUMNS=200, the interpreter's
+default warning filters with warnings printed on stderr, the library's warn-once flags
+unset; and it puts them back after, so that a run leaks nothing into later tests (the
+command sets no other global state: threads, signals and os.environ are touched only by
+the launcher paths, which run in processes of their own). The Triton interpreter is this
+process's, as set up by conftest.py for the library's own tests. A missing matplotlib
+is sys.modules["matplotlib"] = None, as a process of its own had it.
+
+In a process of their own (`own_process=True`, or `subprocess.run` of their own): the
+entry points themselves (`python -m mhmoe --help`), the checks that `--help` and usage
+errors import no torch, `--nproc` and torchrun (they start processes, which write to
+this process's file descriptors, and set OMP_NUM_THREADS and signal handlers), runs with
+another environment (`env=`: a launcher's RANK / WORLD_SIZE, no TRITON_INTERPRET, which
+triton reads once, at import), the out-of-memory run (a 1.2 TB allocation, kept away
+from the test process), and the unexpected-error test (a traceback of a real run).
 """
 
+import contextlib
+import io
 import json
 import os
 import re
 import subprocess
 import sys
+import traceback
+import warnings
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -23,13 +47,89 @@ def _cuda():
     return torch.cuda.is_available()
 
 
-def mhmoe(*args, check=True, env=None):
-    proc = subprocess.run([sys.executable, "-m", "mhmoe", *args], capture_output=True, text=True,
-                          env=ENV if env is None else env, timeout=600)
+def mhmoe(*args, check=True, env=None, own_process=False):
+    """`mhmoe ARGS`, in this process (`_run_in_process`), or with own_process=True in a
+    fresh `python -m mhmoe` (with `env`, default ENV). Returns a CompletedProcess."""
+    if env is not None and not own_process:
+        raise TypeError("env= is the environment of a process of its own: add own_process=True")
+    if own_process:
+        proc = subprocess.run([sys.executable, "-m", "mhmoe", *args], capture_output=True,
+                              text=True, env=ENV if env is None else env, timeout=600)
+    else:
+        proc = _run_in_process(args)
     if check and proc.returncode != 0:
         raise AssertionError(f"mhmoe {args} exited {proc.returncode}:\n{proc.stdout}\n"
                              f"{proc.stderr}")
     return proc
+
+
+@contextlib.contextmanager
+def _fresh_warn_once_flags():
+    """The library's warn-once flags as a fresh process has them (none warned yet), and
+    as they were once the run is over."""
+    from mhmoe import experts
+    from mhmoe.kernels import expert_backward
+
+    warned, recompute = set(experts._warned), expert_backward._warned_recompute
+    experts._warned.clear()
+    expert_backward._warned_recompute = False
+    try:
+        yield
+    finally:
+        experts._warned.clear()
+        experts._warned.update(warned)
+        expert_backward._warned_recompute = recompute
+
+
+@contextlib.contextmanager
+def _default_warnings():
+    """The warning filters of a fresh interpreter (not pytest's), warnings printed on
+    sys.stderr as Python prints them (pytest would record them instead)."""
+    with warnings.catch_warnings():
+        warnings.resetwarnings()
+        for category in (ResourceWarning, ImportWarning, PendingDeprecationWarning,
+                         DeprecationWarning):
+            warnings.simplefilter("ignore", category)
+        warnings.filterwarnings("default", category=DeprecationWarning, module=r"__main__\Z")
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+        warnings.showwarning = show
+        yield
+
+
+def _run_in_process(args) -> subprocess.CompletedProcess:
+    """`python -m mhmoe ARGS` (`raise SystemExit(main())`) in this process: its exit
+    status as Python gives it (SystemExit's code, None being 0; an uncaught exception
+    prints its traceback and exits 1), its stdout and stderr captured."""
+    import rich
+
+    from mhmoe import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    # rich's consoles (mhmoe's, and rich's own, which the checkpoint progress bars use)
+    # read COLUMNS and whether they write to a terminal when made: made in the run, on
+    # out and err.
+    with mock.patch.dict(os.environ, {"COLUMNS": "200"}), _fresh_warn_once_flags(), \
+            mock.patch.object(rich, "_console", None), contextlib.redirect_stdout(out), \
+            contextlib.redirect_stderr(err), _default_warnings():
+        cli._console.cache_clear()
+        try:
+            code = cli.main(list(args))
+        except SystemExit as e:  # argparse: --help, --version, usage errors
+            code = e.code
+        except Exception:
+            traceback.print_exc()
+            code = 1
+        finally:
+            cli._console.cache_clear()
+        if code is None:
+            code = 0
+        elif not isinstance(code, int):
+            print(code, file=sys.stderr)
+            code = 1
+    return subprocess.CompletedProcess(["mhmoe", *args], code, out.getvalue(), err.getvalue())
 
 
 def one_error_line(proc, *words, status=2):
@@ -170,7 +270,9 @@ def test_mhmoe_help_imports_no_torch():
 
 def test_demo_nproc_runs_head_parallel_and_checks():
     # 3 gloo processes, uneven tokens (the last rank gets none)
-    out = mhmoe("demo", "--nproc", "3", "--experts", "2", "--tokens", "40", "--runs", "1").stdout
+    # its own process: the launcher's processes write to its stdout's file descriptor
+    out = mhmoe("demo", "--nproc", "3", "--experts", "2", "--tokens", "40", "--runs", "1",
+                own_process=True).stdout
     assert "head-parallel layer over gloo" in out
     assert re.search(r"largest difference from the one-process layer: \S+ .*\(ok\)", out), out
     rows = [line for line in out.splitlines() if re.match(r"^\W*\d\W+\d+\W+\d\W", line)]
@@ -195,8 +297,10 @@ def test_torchrun_demo_runs_as_one_group():
     assert [int(re.match(r"^\W*(\d)", row).group(1)) for row in rows] == [0, 1], out
     # Only the head-parallel demo runs as a group; the others are refused there.
     launched = {**ENV, "RANK": "0", "WORLD_SIZE": "2"}
-    one_error_line(mhmoe("demo", "--train", check=False, env=launched), "--train", "launcher")
-    one_error_line(mhmoe("inspect", "x", check=False, env=launched), "WORLD_SIZE=2")
+    one_error_line(mhmoe("demo", "--train", check=False, env=launched, own_process=True),
+                   "--train", "launcher")
+    one_error_line(mhmoe("inspect", "x", check=False, env=launched, own_process=True),
+                   "WORLD_SIZE=2")
 
 
 def test_make_checkpoint_inspect_demo_and_a_corrupt_file(tmp_path):
@@ -382,14 +486,16 @@ def test_input_errors_are_still_one_line():
     one_error_line(mhmoe("inspect", "/nonexistent/ckpt", check=False), "/nonexistent/ckpt")
     no_interpreter = {k: v for k, v in ENV.items() if k != "TRITON_INTERPRET"}
     one_error_line(mhmoe("demo", "--device", "cpu", "--backend", "triton", "--experts", "2",
-                         check=False, env=no_interpreter), "--backend", "cannot run on cpu")
+                         check=False, env=no_interpreter, own_process=True), "--backend",
+                   "cannot run on cpu")
 
 
 def test_unusable_devices_and_memory_are_one_line():
     one_error_line(mhmoe("demo", "--device", "foo", check=False), "--device", "foo")
     one_error_line(mhmoe("demo", "--device", "mps", check=False), "--device mps")
+    # 1.2 TB asked for: in a process of its own, not the test process
     one_error_line(mhmoe("demo", "--experts", "2", "--tokens", "100000000", "--device", "cpu",
-                         check=False), "out of memory", "--tokens")
+                         check=False, own_process=True), "out of memory", "--tokens")
 
 
 def test_demo_train_loss_falls():
@@ -406,13 +512,11 @@ def test_demo_train_loss_falls():
                                    rel=2e-3)
 
 
-def test_bench_without_matplotlib_still_writes_json(tmp_path):
+def test_bench_without_matplotlib_still_writes_json(tmp_path, monkeypatch):
     out_json = tmp_path / "b.json"
-    code = ("import sys; sys.modules['matplotlib'] = None; from mhmoe.cli import main; "
-            f"raise SystemExit(main(['bench', '--tokens', '4', '--experts', '2', '--runs', '1', "
-            f"'--out', {str(out_json)!r}]))")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV,
-                          timeout=300)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` fails
+    proc = mhmoe("bench", "--tokens", "4", "--experts", "2", "--runs", "1", "--out",
+                 str(out_json), check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr
     # printed as written: rich used to read "[plot]" as markup and drop it

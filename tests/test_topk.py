@@ -233,23 +233,30 @@ def _shortlist_probe_kernel(logits_ptr, bias_ptr, short_ptr, S, E: tl.constexpr,
                                    SHORT, BLOCK_S, BLOCK_N, HAS_BIAS, ERROR, INTERPRET, MERGED)
 
 
-def _shortlist_route(logits, top_k, bias, block_n, count_t, block_rows=None, error=None,
-                     route_error=None, merged=False):
-    """Shortlists of logits [H, S, E] by the logits kernel's epilogue, then the shortlist
-    route kernel: (probs, indices, counts, shortlists: packed keys, 0 where unsure).
-    error, route_error: the approximate sigmoid's bound in the lists' and the route's
-    margins (default: the real one). merged: the lists by sorting networks
-    (`_shortlist_merged`), else by rounds."""
+def _shortlists(logits, top_k, bias, block_n, error=None, merged=False, block_s=32):
+    """Shortlists of logits [H, S, E] by the logits kernel's epilogue: packed keys, 0 where
+    unsure. error: the approximate sigmoid's bound in the lists' margins (default: the real
+    one). merged: the lists by sorting networks (`_shortlist_merged`), else by rounds.
+    block_s: rows a program (the interpreter's sorting networks cost seconds a program)."""
     H, S, E = logits.shape
     short_n = topk.shortlist_size(top_k, block_n)
     logits = logits.to(DEVICE).contiguous()
     short = torch.empty(H, S, (E // block_n) * short_n, dtype=torch.int32, device=DEVICE)
     b = None if bias is None else bias.to(DEVICE).contiguous()
-    _shortlist_probe_kernel[(triton.cdiv(S, 32), H * (E // block_n))](
+    _shortlist_probe_kernel[(triton.cdiv(S, block_s), H * (E // block_n))](
         logits, logits if b is None else b, short, S, E=E, TOP_K=top_k, SHORT=short_n,
-        BLOCK_S=32, BLOCK_N=block_n, HAS_BIAS=b is not None,
+        BLOCK_S=block_s, BLOCK_N=block_n, HAS_BIAS=b is not None,
         ERROR=topk.SIGMOID_APPROX_ERROR.value if error is None else error,
         INTERPRET=interpreting(), MERGED=merged)
+    return short
+
+
+def _route_lists(short, logits, top_k, bias, count_t, block_rows=None, route_error=None):
+    """The shortlist route kernel on lists from `_shortlists`: (probs, indices, counts,
+    short). route_error: the approximate sigmoid's bound in the route's margins."""
+    H, S, E = logits.shape
+    logits = logits.to(DEVICE).contiguous()
+    b = None if bias is None else bias.to(DEVICE).contiguous()
     probs = torch.empty(H, S, top_k, device=DEVICE)
     indices = torch.empty(H, S, top_k, dtype=torch.int64, device=DEVICE)
     counts = torch.zeros(H, triton.cdiv(S, count_t), E, dtype=torch.int32, device=DEVICE)
@@ -257,6 +264,13 @@ def _shortlist_route(logits, top_k, bias, block_n, count_t, block_rows=None, err
                                 indices, counts, count_t, block_rows=block_rows,
                                 error=route_error)
     return probs, indices, counts, short
+
+
+def _shortlist_route(logits, top_k, bias, block_n, count_t, block_rows=None, error=None,
+                     route_error=None, merged=False, block_s=32):
+    """`_shortlists`, then `_route_lists`: (probs, indices, counts, shortlists)."""
+    short = _shortlists(logits, top_k, bias, block_n, error, merged, block_s)
+    return _route_lists(short, logits, top_k, bias, count_t, block_rows, route_error)
 
 
 _BIAS_SCALES = (None, 0.02, 1e4)
@@ -296,9 +310,9 @@ def test_shortlist_route_equals_exact_rounds(rng, bias_scale, E, K, block_n, mer
     exact = triton_route(logits.to(DEVICE), RouterOptions(K, route_scale=4.9),
                          None if bias is None else bias.to(DEVICE), keyed=False,
                          count_block_t=4)
-    for block_rows in (None, 2):
-        p, i, c, short = _shortlist_route(logits, K, bias, block_n, 4, block_rows,
-                                          merged=merged)
+    short = _shortlists(logits, K, bias, block_n, merged=merged)
+    for block_rows in (None, 2):  # the route's tiles; the lists do not depend on them
+        p, i, c, short = _route_lists(short, logits, K, bias, 4, block_rows)
         assert torch.equal(i, exact[1]) and torch.equal(c, exact[2])
         assert torch.equal(p.nan_to_num(7.0), exact[0].nan_to_num(7.0))
     sure = ~(short == 0).any(-1).cpu()
@@ -441,7 +455,7 @@ def test_merged_shortlists_are_the_rounds_lists(rng, E, K, block_n):
     logits[:, :6] = torch.randn(H, 6, E, generator=rng) - 6.0
     logits[:, :6, group0] = torch.logit(0.7 + 0.1 * order / n0 - bias[:, None, group0])
     logits[:, 8, short:block_n] = NAN
-    rounds = _shortlist_route(logits, K, bias, block_n, 4)[3].cpu()
+    rounds = _shortlists(logits, K, bias, block_n).cpu()
     p, i, c, merged = _shortlist_route(logits, K, bias, block_n, 4, merged=True)
     exact = triton_route(logits.to(DEVICE), RouterOptions(K, route_scale=4.9), bias.to(DEVICE),
                          keyed=False, count_block_t=4)
