@@ -36,7 +36,11 @@ def _fast_interpreted_xor_sum() -> None:
     slow = interpreter.ReduceOps.apply_impl
 
     def apply_impl(self, input):
-        if self.combine_fn == standard._xor_combine and len(input) == 1:
+        # Only along one axis counted from 0 (what flip, sort and the kernels ask for):
+        # there the stock reduction and numpy's agree in shape too; it shapes a negative
+        # axis, and axis=None with keep_dims, its own way.
+        if (self.combine_fn == standard._xor_combine and len(input) == 1
+                and self.axis is not None and self.axis >= 0):
             data = np.bitwise_xor.reduce(input[0].handle.data, axis=self.axis,
                                          keepdims=self.keep_dims)
             return self.to_tensor(data, input[0].dtype)
@@ -48,22 +52,27 @@ def _fast_interpreted_xor_sum() -> None:
 def _patch_language_once_a_launch() -> None:
     """Triton 3.6's interpreter re-patches triton.language (inspect.getmembers over the
     module, its tensor class and tl.math) on every call of a @triton.jit helper inside a
-    kernel, though the launch already patched them and the helper's call changes
-    nothing: about 0.4 ms a call, tens of thousands of calls a routing test. A call whose
-    language modules are already patched (their `arange` no longer the builtin) skips
-    it; the launch itself, which finds them unpatched, patches and restores as before."""
+    kernel (`InterpretedFunction.__call__`), though the launch already patched them and
+    the helper's call changes nothing: about 0.4 ms a call, tens of thousands of calls a
+    routing test. A helper call whose language modules are already patched (their
+    `arange` no longer the builtin) skips it and runs the helper as the stock call does;
+    launches (`GridExecutor`) patch and restore as before."""
     import triton.language as tl
     from triton.runtime import interpreter
 
-    full = interpreter._patch_lang
+    stock = interpreter.InterpretedFunction.__call__
 
-    def patch_lang(fn):
-        langs = [v for v in fn.__globals__.values() if v is tl or v is tl.core]
-        if langs and not any(tl.core.is_builtin(lang.arange) for lang in langs):
-            return interpreter._LangPatchScope()  # nothing to restore: the launch's scope does
-        return full(fn)
+    def call(self, *args, **kwargs):
+        langs = [v for v in self.fn.__globals__.values() if v is tl or v is tl.core]
+        if not langs or any(tl.core.is_builtin(lang.arange) for lang in langs):
+            return stock(self, *args, **kwargs)
+        fn = self.rewrite()
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            raise interpreter.InterpreterError(repr(e)) from e
 
-    interpreter._patch_lang = patch_lang
+    interpreter.InterpretedFunction.__call__ = call
 
 
 def _numpy_dtypes_built_once() -> None:

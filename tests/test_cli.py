@@ -10,9 +10,12 @@ own (rich's consoles are made anew for the run, on them), COLUMNS=200, the inter
 default warning filters with warnings printed on stderr, the library's warn-once flags
 unset; and it puts them back after, so that a run leaks nothing into later tests (the
 command sets no other global state: threads, signals and os.environ are touched only by
-the launcher paths, which run in processes of their own). The Triton interpreter is this
-process's, as set up by conftest.py for the library's own tests. A missing matplotlib
-is sys.modules["matplotlib"] = None, as a process of its own had it.
+the launcher paths, which run in processes of their own; a run of `bench` that plots
+leaves matplotlib on its Agg backend, which no test reads). The Triton interpreter is this
+process's, as conftest.py sets it up for the library's own tests. What a process of its
+own would show and this capture does not: output written below Python, straight to file
+descriptors 1 and 2 (C++ logs, OpenMP), and torch's C++ warn-once warnings after their
+first time in the worker; the command writes through Python only.
 
 In a process of their own (`own_process=True`, or `subprocess.run` of their own): the
 entry points themselves (`python -m mhmoe --help`), the checks that `--help` and usage
@@ -20,7 +23,8 @@ errors import no torch, `--nproc` and torchrun (they start processes, which writ
 this process's file descriptors, and set OMP_NUM_THREADS and signal handlers), runs with
 another environment (`env=`: a launcher's RANK / WORLD_SIZE, no TRITON_INTERPRET, which
 triton reads once, at import), the out-of-memory run (a 1.2 TB allocation, kept away
-from the test process), and the unexpected-error test (a traceback of a real run).
+from the test process), the unexpected-error test (a traceback of a real run), and
+`bench` without matplotlib (missing before mhmoe is imported).
 """
 
 import contextlib
@@ -512,11 +516,15 @@ def test_demo_train_loss_falls():
                                    rel=2e-3)
 
 
-def test_bench_without_matplotlib_still_writes_json(tmp_path, monkeypatch):
+def test_bench_without_matplotlib_still_writes_json(tmp_path):
+    # A process of its own: matplotlib is missing before mhmoe is imported, so an import
+    # of it at a module's top level fails here (in this process mhmoe is imported already).
     out_json = tmp_path / "b.json"
-    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` fails
-    proc = mhmoe("bench", "--tokens", "4", "--experts", "2", "--runs", "1", "--out",
-                 str(out_json), check=False)
+    code = ("import sys; sys.modules['matplotlib'] = None; from mhmoe.cli import main; "
+            f"raise SystemExit(main(['bench', '--tokens', '4', '--experts', '2', '--runs', '1', "
+            f"'--out', {str(out_json)!r}]))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV,
+                          timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr
     # printed as written: rich used to read "[plot]" as markup and drop it

@@ -233,19 +233,18 @@ def _shortlist_probe_kernel(logits_ptr, bias_ptr, short_ptr, S, E: tl.constexpr,
                                    SHORT, BLOCK_S, BLOCK_N, HAS_BIAS, ERROR, INTERPRET, MERGED)
 
 
-def _shortlists(logits, top_k, bias, block_n, error=None, merged=False, block_s=32):
+def _shortlists(logits, top_k, bias, block_n, error=None, merged=False):
     """Shortlists of logits [H, S, E] by the logits kernel's epilogue: packed keys, 0 where
     unsure. error: the approximate sigmoid's bound in the lists' margins (default: the real
-    one). merged: the lists by sorting networks (`_shortlist_merged`), else by rounds.
-    block_s: rows a program (the interpreter's sorting networks cost seconds a program)."""
+    one). merged: the lists by sorting networks (`_shortlist_merged`), else by rounds."""
     H, S, E = logits.shape
     short_n = topk.shortlist_size(top_k, block_n)
     logits = logits.to(DEVICE).contiguous()
     short = torch.empty(H, S, (E // block_n) * short_n, dtype=torch.int32, device=DEVICE)
     b = None if bias is None else bias.to(DEVICE).contiguous()
-    _shortlist_probe_kernel[(triton.cdiv(S, block_s), H * (E // block_n))](
+    _shortlist_probe_kernel[(triton.cdiv(S, 32), H * (E // block_n))](
         logits, logits if b is None else b, short, S, E=E, TOP_K=top_k, SHORT=short_n,
-        BLOCK_S=block_s, BLOCK_N=block_n, HAS_BIAS=b is not None,
+        BLOCK_S=32, BLOCK_N=block_n, HAS_BIAS=b is not None,
         ERROR=topk.SIGMOID_APPROX_ERROR.value if error is None else error,
         INTERPRET=interpreting(), MERGED=merged)
     return short
@@ -267,9 +266,9 @@ def _route_lists(short, logits, top_k, bias, count_t, block_rows=None, route_err
 
 
 def _shortlist_route(logits, top_k, bias, block_n, count_t, block_rows=None, error=None,
-                     route_error=None, merged=False, block_s=32):
+                     route_error=None, merged=False):
     """`_shortlists`, then `_route_lists`: (probs, indices, counts, shortlists)."""
-    short = _shortlists(logits, top_k, bias, block_n, error, merged, block_s)
+    short = _shortlists(logits, top_k, bias, block_n, error, merged)
     return _route_lists(short, logits, top_k, bias, count_t, block_rows, route_error)
 
 
