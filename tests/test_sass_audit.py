@@ -122,7 +122,11 @@ def test_wgmma_loops_are_the_innermost_loops_holding_one():
     )
     assert wgmma_loops(text) == [{"addr": "0x10", "instructions": 3, "wgmmas": 1,
                                   "issue_cycles": 7, "static_cycles": 7,
-                                  "tile_start": 1, "tile_end": 2}]
+                                  "tile_start": 1, "tile_end": 2,
+                                  # per opcode (predicate and suffixes dropped): count,
+                                  # stall cycles summed
+                                  "opcodes": {"HGMMA": (1, 1), "WARPGROUP": (1, 1),
+                                              "BRA": (1, 5)}}]
     # Without the outer loop's branch no loop encloses it.
     flat = text.replace("@!P1 BRA 0x0", "@!P1 BRA 0x70")
     assert [(lp["tile_start"], lp["tile_end"]) for lp in wgmma_loops(flat)] == [(None, None)]

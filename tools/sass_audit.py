@@ -2,6 +2,8 @@
 
     python tools/sass_audit.py          # a table
     python tools/sass_audit.py --json   # rows for scripts and tests
+    python tools/sass_audit.py --opcodes panels   # the kernels whose name holds "panels",
+                                        # with each wgmma loop's opcodes (count, issue cycles)
 
 (without TRITON_INTERPRET: the interpreter's kernels cannot be compiled).
 
@@ -259,9 +261,15 @@ def wgmma_loops(sass: str) -> list[dict]:
     for top, end, body, n in sorted(inner):
         around = [lp for lp in closed if lp[0] <= top and end <= lp[1] and lp[1] - lp[0] >
                   end - top]
+        opcodes = {}
+        for r in body:
+            op = _opcode_and_operands(r["ins"])[0].split(".")[0]
+            count, cycles = opcodes.get(op, (0, 0))
+            opcodes[op] = (count + 1, cycles + max(r["stall"], 1))
         row = {"addr": hex(top), "instructions": len(body), "wgmmas": n,
                "issue_cycles": sum(max(r["stall"], 1) for r in body),
-               "static_cycles": static_cycles(body), "tile_start": None, "tile_end": None}
+               "static_cycles": static_cycles(body), "tile_start": None, "tile_end": None,
+               "opcodes": opcodes}
         if around:
             o_body = min(around, key=lambda lp: lp[1] - lp[0])[2]
             row["tile_start"] = sum(1 for a, _ in o_body if a < top)
@@ -368,16 +376,19 @@ def _cases():
     return [canary, *sm90_compile_cases()]
 
 
-def audit(progress=None) -> list[dict]:
+def audit(progress=None, only: str | None = None) -> list[dict]:
     """One row per kernel and tile: name, HGMMAs with a register A operand, hazards, and
     the waits that leave wgmma groups in flight (`WARPGROUP.DEPBAR.LE gsb0, N > 0`: none
     where ptxas serialised every wgmma, which it does when registers run short), and its
     global atomic adds (`combine_ops`), its wgmmas by kind and shape (`wgmma_shapes`) and
     its register stores by width (`global_stores`; JSON keys are strings), its
     reciprocals and full-range divisions (`reciprocals`), its innermost loops with a
-    wgmma (`wgmma_loops`) and its mbarrier arrivals (SYNCS.ARRIVE instructions)."""
+    wgmma (`wgmma_loops`) and its mbarrier arrivals (SYNCS.ARRIVE instructions).
+    only: the kernels whose name holds it (and the canary)."""
     rows = []
     for case in _cases():
+        if only and only not in case.name and not case.name.startswith("canary"):
+            continue
         if progress:
             progress(case.name)
         sass = compile_sass(case.kernel, case.signature, case.constexprs, case.num_warps,
@@ -394,6 +405,9 @@ def audit(progress=None) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", action="store_true", help="print the rows as JSON")
+    ap.add_argument("--opcodes", metavar="NAME",
+                    help="only the kernels whose name holds NAME, with each wgmma loop's "
+                         "opcodes: count and issue cycles (stall counts summed)")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         ap.error("unset TRITON_INTERPRET: interpreted kernels cannot be compiled")
@@ -401,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     def progress(name):
         print(f"compiling {name} ...", file=sys.stderr, flush=True)
 
-    rows = audit(progress)
+    rows = audit(progress, args.opcodes)
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
@@ -416,6 +430,12 @@ def main(argv: list[str] | None = None) -> int:
                   + (f"  loops: {loops}" if loops else ""))
             for h in r["hazards"][:4]:
                 print(f"    {h['where']}: {h['addr']} {h['instruction']}")
+            for lp in r["loops"] if args.opcodes else ():
+                print(f"  loop {lp['addr']}: {lp['instructions']} instructions, "
+                      f"{lp['issue_cycles']} issue cycles")
+                for op, (count, cycles) in sorted(lp["opcodes"].items(),
+                                                  key=lambda kv: -kv[1][1]):
+                    print(f"    {op:<10} {count:>5} {cycles:>6}")
     canary_ok = bool(rows[0]["hazards"])
     shipped_ok = not any(r["hazards"] for r in rows[1:])
     if not canary_ok:
