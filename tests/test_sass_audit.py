@@ -14,7 +14,13 @@ import sys
 
 TOOLS = os.path.join(os.path.dirname(__file__), "..", "tools")
 sys.path.insert(0, TOOLS)
-from sass_audit import register_a_hazards, schedule, static_cycles, wgmma_loops  # noqa: E402
+from sass_audit import (  # noqa: E402
+    programs_an_sm,
+    register_a_hazards,
+    schedule,
+    static_cycles,
+    wgmma_loops,
+)
 
 
 def _compiled(*args: str, timeout: int = 600) -> str:
@@ -246,6 +252,43 @@ def test_compiled_sm90_kernels_have_no_register_a_hazards():
     # each keeping a wgmma in flight across its steps; both modes.
     for r in (r for r in shipped if r["kernel"].startswith("panel dx")):
         assert r["wgmmas"] == {"HGMMA.64x256x16": 8} and r["async_waits"] == 2, r
+    # What a program holds: every kernel fits an SM; the Gluon kernels run one program of
+    # 12 warps (a loader warpgroup and two MMA ones) an SM, at their launch's register cap.
+    for r in shipped:
+        rs = r["resources"]
+        assert 0 < rs["registers"] <= 255 and rs["programs"] >= 1, r
+        assert rs["shared"] <= 232448, r
+    for r in panels.values():
+        rs = r["resources"]
+        assert (rs["threads"], rs["registers"], rs["programs"]) == (384, 168, 1), rs
+
+
+def test_programs_an_sm_by_hand():
+    # 90 registers round up to 96 a thread, 3,072 a warp: 4 warps take 12,288 of the
+    # 65,536, five programs; 49,168 bytes of shared memory plus the 1 KB reserved go 4
+    # times into 233,472; 128 threads 16 times into 2,048.
+    assert programs_an_sm(90, 128, 49168) == {"programs": 4, "by_registers": 5,
+                                              "by_shared": 4, "by_threads": 16}
+    # 168 registers over 384 threads: 64,512 of the file, one program; 232,448 bytes of
+    # shared memory is the most one program may take.
+    assert programs_an_sm(168, 384, 232448)["programs"] == 1
+    # 32 registers, 32 threads, no shared memory: the 32-program limit binds.
+    assert programs_an_sm(32, 32, 0) == {"programs": 32, "by_registers": 64,
+                                         "by_shared": 228, "by_threads": 64}
+
+
+def test_panel_tiles_table_of_the_dw_gemm():
+    # docs/expert-backward.md, "The dW GEMMs at few rows an expert": the table's tile and
+    # the one-stage ones, compile-only.
+    out = _compiled(os.path.join(TOOLS, "sass_audit.py"), "--panel-tiles",
+                    "64/128/64/4/2;64/128/64/4/1;64/64/64/4/1", timeout=300)
+    lines = [ln.split() for ln in out.splitlines() if ln.startswith("panel dW")]
+    assert len(lines) == 6, out
+    got = {(ln[2], ln[3]): (int(ln[7]), ln[8], int(ln[9]), int(ln[11])) for ln in lines}
+    for shape in ("256x1280", "1280x256"):
+        assert got[shape, "64/128/64/4/2"] == (90, "0/0", 49168, 4), out
+        assert got[shape, "64/128/64/4/1"] == (90, "0/0", 24584, 5), out
+        assert got[shape, "64/64/64/4/1"] == (58, "0/0", 16392, 8), out
 
 
 _CLUSTER_PROBE = """

@@ -4,6 +4,10 @@
     python tools/sass_audit.py --json   # rows for scripts and tests
     python tools/sass_audit.py --opcodes panels   # the kernels whose name holds "panels",
                                         # with each wgmma loop's opcodes (count, issue cycles)
+    python tools/sass_audit.py --resources panels   # registers, spills, shared memory,
+                                        # programs an SM
+    python tools/sass_audit.py --panel-tiles "64/128/64/4/1;64/64/64/4/1"   # the panel
+                                        # dW GEMM at other tiles: the same table
 
 (without TRITON_INTERPRET: the interpreter's kernels cannot be compiled).
 
@@ -96,17 +100,51 @@ def compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int, num_stag
 def compile_sass(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int,
                  divisible: tuple[str, ...] = (), maxnreg: int | None = None) -> str:
     """SASS (sm_90a) of kernel `fn`; arguments as `compile_sm90`."""
-    kernel = compile_sm90(fn, signature, constexprs, num_warps, num_stages, divisible,
-                          maxnreg)
+    return assemble(compile_sm90(fn, signature, constexprs, num_warps, num_stages, divisible,
+                                 maxnreg))[0]
+
+
+# An sm_90 SM: registers, shared memory (of which each program reserves 1 KB), threads
+# and programs it can hold; registers go to warps in blocks of 256 (8 a thread).
+_SM90_LIMITS = dict(registers=65536, shared=233472, reserved=1024, threads=2048,
+                    programs=32)
+_PTXAS_REGISTERS = re.compile(r"Used (\d+) registers")
+_PTXAS_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def programs_an_sm(registers: int, threads: int, shared: int) -> dict:
+    """How many programs of a kernel an sm_90 SM holds at once, and which limit binds:
+    {"programs", "by_registers", "by_shared", "by_threads"}."""
+    lim = _SM90_LIMITS
+    per_warp = -(-registers * 32 // 256) * 256
+    by = {"by_registers": lim["registers"] // (per_warp * -(-threads // 32)),
+          "by_shared": lim["shared"] // (shared + lim["reserved"]),
+          "by_threads": lim["threads"] // threads}
+    return {"programs": min(lim["programs"], *by.values()), **by}
+
+
+def assemble(kernel) -> tuple[str, dict]:
+    """The SASS (sm_90a) of a kernel from `compile_sm90`, and what a program of it holds:
+    registers a thread and spill bytes (`ptxas -v`), shared memory (Triton's), threads
+    (every partition's warps) and `programs_an_sm`."""
     ptxas, cuobjdump = toolchain()
     with tempfile.TemporaryDirectory() as tmp:
         ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
         with open(ptx, "w") as f:
             f.write(kernel.asm["ptx"])
-        subprocess.run([ptxas, "-arch=sm_90a", ptx, "-o", cubin], check=True,
-                       capture_output=True, text=True)
-        return subprocess.run([cuobjdump, "-sass", cubin], check=True, capture_output=True,
+        report = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx, "-o", cubin], check=True,
+                                capture_output=True, text=True).stderr
+        sass = subprocess.run([cuobjdump, "-sass", cubin], check=True, capture_output=True,
                               text=True).stdout
+    spills = [tuple(map(int, m)) for m in _PTXAS_SPILLS.findall(report)]
+    resources = {"registers": max(map(int, _PTXAS_REGISTERS.findall(report))),
+                 "spill_stores": sum(st for st, _ in spills),
+                 "spill_loads": sum(ld for _, ld in spills),
+                 "shared": kernel.metadata.shared,
+                 "threads": kernel.metadata.num_warps * 32}
+    resources.update(programs_an_sm(resources["registers"], resources["threads"],
+                                    resources["shared"]))
+    return sass, resources
 
 
 _INSTR = re.compile(r"/\*([0-9a-f]+)\*/\s+(.*?)\s*;")
@@ -364,41 +402,52 @@ def _canary_kernel(x_desc, w_desc, out_ptr, D: tl.constexpr, BLOCK_S: tl.constex
     tl.store(out_ptr + rows[:, None] * BLOCK_N + cols[None, :], acc)
 
 
-def _cases():
-    """The canary, then `mhmoe.kernels.sm90_compile_cases()`."""
+def _cases(panel_tiles: str | None = None):
+    """The canary, then `mhmoe.kernels.sm90_compile_cases()`, or with panel_tiles
+    ("m/n/k/w/s;...") the panel dW GEMM at those tiles instead (dx rows of 64)."""
     from mhmoe.kernels import CompileCase, sm90_compile_cases
+    from mhmoe.kernels.expert_backward import panel_dw_compile_cases
+    from mhmoe.kernels.tuning import PanelGemmConfig
 
     canary = CompileCase(
         "canary (must show hazards)", _canary_kernel,
         {"x_desc": "tensordesc<bf16[128, 1, 32]>", "w_desc": "tensordesc<bf16[128, 32]>",
          "out_ptr": "*fp32"},
         dict(D=256, BLOCK_S=128, BLOCK_N=128, BLOCK_D=32), 4, 3)
+    if panel_tiles:
+        return [canary, *(case for spec in panel_tiles.split(";") for case in
+                          panel_dw_compile_cases(PanelGemmConfig(*map(int, spec.split("/"))),
+                                                 dx_rows=64))]
     return [canary, *sm90_compile_cases()]
 
 
-def audit(progress=None, only: str | None = None) -> list[dict]:
+def audit(progress=None, only: str | None = None,
+          panel_tiles: str | None = None) -> list[dict]:
     """One row per kernel and tile: name, HGMMAs with a register A operand, hazards, and
     the waits that leave wgmma groups in flight (`WARPGROUP.DEPBAR.LE gsb0, N > 0`: none
     where ptxas serialised every wgmma, which it does when registers run short), and its
     global atomic adds (`combine_ops`), its wgmmas by kind and shape (`wgmma_shapes`) and
     its register stores by width (`global_stores`; JSON keys are strings), its
     reciprocals and full-range divisions (`reciprocals`), its innermost loops with a
-    wgmma (`wgmma_loops`) and its mbarrier arrivals (SYNCS.ARRIVE instructions).
-    only: the kernels whose name holds it (and the canary)."""
+    wgmma (`wgmma_loops`), its mbarrier arrivals (SYNCS.ARRIVE instructions) and what a
+    program holds (`assemble`'s resources).
+    only: the kernels whose name holds it (and the canary); panel_tiles: as `_cases`."""
     rows = []
-    for case in _cases():
+    for case in _cases(panel_tiles):
         if only and only not in case.name and not case.name.startswith("canary"):
             continue
         if progress:
             progress(case.name)
-        sass = compile_sass(case.kernel, case.signature, case.constexprs, case.num_warps,
-                            case.num_stages, case.divisible, case.maxnreg)
+        sass, resources = assemble(compile_sm90(
+            case.kernel, case.signature, case.constexprs, case.num_warps, case.num_stages,
+            case.divisible, case.maxnreg))
         n_reg_a, hazards = register_a_hazards(sass)
         rows.append({"kernel": case.name, "hgmma_register_a": n_reg_a, "hazards": hazards,
                      "async_waits": async_waits(sass), **combine_ops(sass),
                      "wgmmas": wgmma_shapes(sass), "stores": global_stores(sass),
                      **reciprocals(sass), "loops": wgmma_loops(sass),
-                     "mbarrier_arrives": len(re.findall(r"\bSYNCS\.ARRIVE", sass))})
+                     "mbarrier_arrives": len(re.findall(r"\bSYNCS\.ARRIVE", sass)),
+                     "resources": resources})
     return rows
 
 
@@ -408,16 +457,43 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--opcodes", metavar="NAME",
                     help="only the kernels whose name holds NAME, with each wgmma loop's "
                          "opcodes: count and issue cycles (stall counts summed)")
+    ap.add_argument("--resources", metavar="NAME", nargs="?", const="",
+                    help="a table of what a program holds (registers, spills, shared memory, "
+                         "programs an SM) for every kernel, or those whose name holds NAME")
+    ap.add_argument("--panel-tiles", metavar="M/N/K/W/S;...",
+                    help="audit the panel dW GEMM at these tiles (both MAGI-2 weight shapes, "
+                         "dx rows of 64) instead of the shipped kernels; prints --resources")
     args = ap.parse_args(argv)
+    if args.opcodes is not None and args.resources is not None:
+        ap.error("--opcodes and --resources each name the kernels to show: give one")
+    if args.panel_tiles is not None:
+        try:
+            from mhmoe.kernels.tuning import PanelGemmConfig
+            for spec in args.panel_tiles.split(";"):
+                PanelGemmConfig(*map(int, spec.split("/")))
+        except (TypeError, ValueError) as exc:
+            ap.error(f"--panel-tiles {args.panel_tiles!r}: {exc}")
+        if args.resources is None:
+            args.resources = ""
     if os.environ.get("TRITON_INTERPRET") == "1":
         ap.error("unset TRITON_INTERPRET: interpreted kernels cannot be compiled")
 
     def progress(name):
         print(f"compiling {name} ...", file=sys.stderr, flush=True)
 
-    rows = audit(progress, args.opcodes)
+    only = args.opcodes if args.opcodes is not None else args.resources
+    rows = audit(progress, only or None, args.panel_tiles)
     if args.json:
         print(json.dumps(rows, indent=1))
+    elif args.resources is not None:
+        print(f"{'kernel':<58} {'registers':>9} {'spilled':>9} {'shared':>8} {'threads':>7}"
+              f"  programs an SM (registers, shared memory, threads)")
+        for r in rows[1:]:
+            rs = r["resources"]
+            print(f"{r['kernel']:<58} {rs['registers']:>9} "
+                  f"{rs['spill_stores']:>4}/{rs['spill_loads']:<4} {rs['shared']:>8} "
+                  f"{rs['threads']:>7}  {rs['programs']} ({rs['by_registers']}, "
+                  f"{rs['by_shared']}, {rs['by_threads']})")
     else:
         for r in rows:
             verdict = f"{len(r['hazards'])} hazards" if r["hazards"] else "clean"

@@ -849,6 +849,27 @@ def dx_signature(D: int, block_i: int) -> dict:
             "slot_base": "i32"}
 
 
+def panel_dw_compile_cases(panel, dx_rows: int) -> list:
+    """The panel dW GEMM at `panel`'s tiles (a `PanelConfig`) for both of MAGI-2's weight
+    shapes, [D, I] (W_gate and W_up) and [I, D] (W_down), with experts' rows padded to
+    `dx_rows` (`mhmoe.kernels.CompileCase`)."""
+    from ..config import MAGI2_PREVIEW as M
+    from . import CompileCase
+
+    D, I, p = M.head_dim, M.expert_intermediate_size, panel
+    return [CompileCase(
+        f"panel dW {m_dim}x{n_dim} {p.block_m}/{p.block_n}/{p.block_k}/"
+        f"{p.num_warps}/{p.num_stages} (dx rows {dx_rows})",
+        _panel_dw_kernel,
+        {"a_ptr": f"tensordesc<bf16[{p.block_k}, {p.block_m}]>",
+         "b_ptr": f"tensordesc<bf16[{p.block_k}, {p.block_n}]>", "c_ptr": "*bf16",
+         "offsets_ptr": "*i64", "tile_first_ptr": "*i32", "first_expert": "i32"},
+        dict(M=m_dim, N=n_dim, TILE_M=dx_rows, BLOCK_M=p.block_m, BLOCK_N=p.block_n,
+             BLOCK_K=p.block_k, UPCAST=False, DOT_FP32=False, PRECISION="tf32",
+             USE_TMA=p.tma),
+        p.num_warps, p.num_stages) for m_dim, n_dim in ((D, I), (I, D))]
+
+
 def sm90_compile_cases() -> list:
     """The dx (with and without panels), dW and panel kernels at the sm_90 default tiles,
     and the split backward's two Triton kernels at `tuning.SM90_SPLIT`
@@ -891,19 +912,7 @@ def sm90_compile_cases() -> list:
             dict(D=D, I=I, BLOCK_M=w.block_m, BLOCK_I=w.block_i, BLOCK_D=D, UPCAST=False,
                  DOT_FP32=False, PRECISION="tf32"),
             w.num_warps, w.num_stages))
-        p = b.panel
-        for m_dim, n_dim in ((D, I), (I, D)):
-            cases.append(CompileCase(
-                f"panel dW {m_dim}x{n_dim} {p.block_m}/{p.block_n}/{p.block_k}/"
-                f"{p.num_warps}/{p.num_stages} (dx rows {x.block_m})",
-                _panel_dw_kernel,
-                {"a_ptr": f"tensordesc<bf16[{p.block_k}, {p.block_m}]>",
-                 "b_ptr": f"tensordesc<bf16[{p.block_k}, {p.block_n}]>", "c_ptr": "*bf16",
-                 "offsets_ptr": "*i64", "tile_first_ptr": "*i32", "first_expert": "i32"},
-                dict(M=m_dim, N=n_dim, TILE_M=x.block_m, BLOCK_M=p.block_m,
-                     BLOCK_N=p.block_n, BLOCK_K=p.block_k, UPCAST=False, DOT_FP32=False,
-                     PRECISION="tf32", USE_TMA=p.tma),
-                p.num_warps, p.num_stages))
+        cases += panel_dw_compile_cases(b.panel, x.block_m)
     # dx from the panels (tuning.SM90_SPLIT): the dx kernel without its products, and
     # the panel dx GEMM.
     # Also with ExpertBackwardConfig.sigmoid_rcp (the inline reciprocal, every kernel's).
