@@ -7,20 +7,24 @@
 #
 # Why several workers: on a fresh machine most of the suite's time is Triton and
 # Gluon compiling the kernels at MAGI-2's tiles, one process after another; pytest-xdist
-# workers compile (and run) in parallel on the one GPU. MHMOE_GPU_WORKERS sets how many
-# (default 3: each holds its own 6 GB MAGI-2 layer and workspaces, far below the H200's
-# memory). MHMOE_GPU_TIMEOUT bounds the whole run (default 540 s, inside a 600 s call):
+# workers compile (and run) in parallel on the one GPU. MHMOE_GPU_WORKERS sets how many.
+# The default follows the card's memory: each worker holds its own 6 GB MAGI-2 layer and
+# workspaces, up to ~35 GB at its peak, so 3 on a card of 100 GiB or more (the H200) and
+# 2 below (on an 80 GB H100, three workers ran out of memory in 7 of 73 tests, which
+# passed on one). MHMOE_GPU_TIMEOUT bounds the whole run (default 540 s, inside a 600 s call):
 # where it strikes, the summary still counts what ran and what did not.
 set -uo pipefail
 out=${1:?usage: benchmarks/gpu_checks.sh OUT_DIR [PYTEST_ARGS...]}
 shift
 mkdir -p "$out"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-workers=${MHMOE_GPU_WORKERS:-3}
+mem_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1)
+workers=${MHMOE_GPU_WORKERS:-$(( ${mem_mib:-0} >= 102400 ? 3 : 2 ))}
 limit=${MHMOE_GPU_TIMEOUT:-540}
 log="$out/gpu_tests.log"
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,power.draw --format=csv \
-    | tee "$out/gpu.txt"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,power.draw,memory.total \
+    --format=csv | tee "$out/gpu.txt"
+echo "workers: $workers" | tee -a "$out/gpu.txt"
 total=$(python3 -m pytest --collect-only -q -p no:cacheprovider tests/test_gpu.py "$@" 2>/dev/null \
     | grep -c '::')
 timeout "$limit" python3 -m pytest -v -p no:cacheprovider -n "$workers" --durations=15 \
