@@ -2,24 +2,28 @@
 # The GPU test suite (tests/test_gpu.py) in one device call, ending with a summary line.
 # Usage on the GPU machine, from the repository root:
 #     benchmarks/gpu_checks.sh OUT_DIR [PYTEST_ARGS...]     e.g. -k "not int32"
-# Writes OUT_DIR/gpu.txt (the card and its clocks), OUT_DIR/gpu_tests.log (pytest -v)
+# Writes OUT_DIR/gpu.txt (the card, its clocks and memory, the workers),
+# OUT_DIR/gpu_tests.log (pytest -v)
 # and prints, last, "GPU suite: P passed, F failed, E errors, S skipped, N not run of T".
 #
 # Why several workers: on a fresh machine most of the suite's time is Triton and
 # Gluon compiling the kernels at MAGI-2's tiles, one process after another; pytest-xdist
 # workers compile (and run) in parallel on the one GPU. MHMOE_GPU_WORKERS sets how many.
 # The default follows the card's memory: each worker holds its own 6 GB MAGI-2 layer and
-# workspaces, up to ~35 GB at its peak, so 3 on a card of 100 GiB or more (the H200) and
-# 2 below (on an 80 GB H100, three workers ran out of memory in 7 of 73 tests, which
-# passed on one). MHMOE_GPU_TIMEOUT bounds the whole run (default 540 s, inside a 600 s call):
+# workspaces, up to 34.7 GiB at its peak (the out-of-memory reports of 2026-12-06), so 3
+# on a card of 100 GiB or more (the H200) and 2 below (on an 80 GB H100, three workers ran
+# out of memory in 7 of 73 tests, which passed on one worker). An unreadable memory size
+# counts as below. MHMOE_GPU_TIMEOUT bounds the whole run (default 540 s, inside a 600 s call):
 # where it strikes, the summary still counts what ran and what did not.
 set -uo pipefail
 out=${1:?usage: benchmarks/gpu_checks.sh OUT_DIR [PYTEST_ARGS...]}
 shift
 mkdir -p "$out"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-mem_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1)
-workers=${MHMOE_GPU_WORKERS:-$(( ${mem_mib:-0} >= 102400 ? 3 : 2 ))}
+mem_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null \
+    | head -n 1 | tr -d ' \r')
+[[ $mem_mib =~ ^[0-9]+$ ]] || mem_mib=0
+workers=${MHMOE_GPU_WORKERS:-$(( mem_mib >= 102400 ? 3 : 2 ))}
 limit=${MHMOE_GPU_TIMEOUT:-540}
 log="$out/gpu_tests.log"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,power.draw,memory.total \

@@ -252,8 +252,9 @@ def test_compiled_sm90_kernels_have_no_register_a_hazards():
     # each keeping a wgmma in flight across its steps; both modes.
     for r in (r for r in shipped if r["kernel"].startswith("panel dx")):
         assert r["wgmmas"] == {"HGMMA.64x256x16": 8} and r["async_waits"] == 2, r
-    # What a program holds: every kernel fits an SM; the Gluon kernels run one program of
-    # 12 warps (a loader warpgroup and two MMA ones) an SM, at their launch's register cap.
+    # What a program holds: every kernel fits an SM; the Gluon panel kernels run one
+    # program of 12 warps (a loader warpgroup and two MMA ones) an SM, at their launch's
+    # register cap.
     for r in shipped:
         rs = r["resources"]
         assert 0 < rs["registers"] <= 255 and rs["programs"] >= 1, r
@@ -264,31 +265,46 @@ def test_compiled_sm90_kernels_have_no_register_a_hazards():
 
 
 def test_programs_an_sm_by_hand():
-    # 90 registers round up to 96 a thread, 3,072 a warp: 4 warps take 12,288 of the
-    # 65,536, five programs; 49,168 bytes of shared memory plus the 1 KB reserved go 4
-    # times into 233,472; 128 threads 16 times into 2,048.
+    # 90 registers round up to 96 a thread, 3,072 a warp: a sub-partition's 16,384 hold 5
+    # warps, the SM 20, five programs of 4 warps; 49,168 bytes of shared memory plus the
+    # 1 KB reserved, in 128-byte units 50,304, go 4 times into 233,472; 128 threads 16
+    # times into 2,048.
     assert programs_an_sm(90, 128, 49168) == {"programs": 4, "by_registers": 5,
                                               "by_shared": 4, "by_threads": 16}
-    # 168 registers over 384 threads: 64,512 of the file, one program; 232,448 bytes of
-    # shared memory is the most one program may take.
+    # 168 registers over 384 threads: 5,376 a warp, 3 warps a sub-partition, one program
+    # of 12 warps; 232,448 bytes of shared memory is the most one program may take.
     assert programs_an_sm(168, 384, 232448)["programs"] == 1
     # 32 registers, 32 threads, no shared memory: the 32-program limit binds.
     assert programs_an_sm(32, 32, 0) == {"programs": 32, "by_registers": 64,
                                          "by_shared": 228, "by_threads": 64}
+    # Where the sub-partitions bind: 48 registers a thread, 1,536 a warp, 10 warps a
+    # sub-partition, 40 an SM: 20 programs of 2 warps (the whole file would give 42 warps).
+    assert programs_an_sm(48, 64, 0)["by_registers"] == 20
+    # Shared memory in 128-byte units: 45,568 + 1,024 bytes (364 units) fit 5 times; one
+    # byte more takes 365 units, 46,720 bytes, which fit 4 times (unrounded, 5 would).
+    assert programs_an_sm(32, 128, 45568)["by_shared"] == 5
+    assert programs_an_sm(32, 128, 45569)["by_shared"] == 4
 
 
 def test_panel_tiles_table_of_the_dw_gemm():
-    # docs/expert-backward.md, "The dW GEMMs at few rows an expert": the table's tile and
-    # the one-stage ones, compile-only.
-    out = _compiled(os.path.join(TOOLS, "sass_audit.py"), "--panel-tiles",
-                    "64/128/64/4/2;64/128/64/4/1;64/64/64/4/1", timeout=300)
-    lines = [ln.split() for ln in out.splitlines() if ln.startswith("panel dW")]
-    assert len(lines) == 6, out
-    got = {(ln[2], ln[3]): (int(ln[7]), ln[8], int(ln[9]), int(ln[11])) for ln in lines}
+    # docs/expert-backward.md, "The dW GEMMs at few rows an expert": the table's tile, the
+    # one-stage ones and the one that spills, compile-only.
+    rows = json.loads(_compiled(os.path.join(TOOLS, "sass_audit.py"), "--json",
+                                "--panel-tiles",
+                                "64/128/64/4/2;64/128/64/4/1;64/64/64/4/1;64/128/64/2/1",
+                                timeout=300))
+    got = {r["kernel"]: r["resources"] for r in rows[1:]}
+    assert len(got) == 8, list(got)
+    want = {"64/128/64/4/2": (90, 49168, 4), "64/128/64/4/1": (90, 24584, 5),
+            "64/64/64/4/1": (58, 16392, 8)}
     for shape in ("256x1280", "1280x256"):
-        assert got[shape, "64/128/64/4/2"] == (90, "0/0", 49168, 4), out
-        assert got[shape, "64/128/64/4/1"] == (90, "0/0", 24584, 5), out
-        assert got[shape, "64/64/64/4/1"] == (58, "0/0", 16392, 8), out
+        for tile, (regs, shared, programs) in want.items():
+            rs = got[f"panel dW {shape} {tile} (dx rows 64)"]
+            assert (rs["registers"], rs["spill_stores"], rs["spill_loads"], rs["shared"],
+                    rs["programs"]) == (regs, 0, 0, shared, programs), (shape, tile, rs)
+        # two warps cannot hold a 64 x 128 fp32 accumulator with the rest: ptxas spills
+        rs = got[f"panel dW {shape} 64/128/64/2/1 (dx rows 64)"]
+        assert rs["registers"] == 255 and rs["spill_stores"] > 0, rs
 
 
 _CLUSTER_PROBE = """

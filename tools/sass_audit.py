@@ -99,15 +99,17 @@ def compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int, num_stag
 
 def compile_sass(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int,
                  divisible: tuple[str, ...] = (), maxnreg: int | None = None) -> str:
-    """SASS (sm_90a) of kernel `fn`; arguments as `compile_sm90`."""
+    """SASS (sm_90a) of kernel `fn`; arguments as `compile_sm90` (for scripts that read
+    one kernel's SASS; the audit itself takes `assemble`'s resources too)."""
     return assemble(compile_sm90(fn, signature, constexprs, num_warps, num_stages, divisible,
                                  maxnreg))[0]
 
 
-# An sm_90 SM: registers, shared memory (of which each program reserves 1 KB), threads
-# and programs it can hold; registers go to warps in blocks of 256 (8 a thread).
-_SM90_LIMITS = dict(registers=65536, shared=233472, reserved=1024, threads=2048,
-                    programs=32)
+# An sm_90 SM: registers (in four sub-partitions, each warp's taken from one, in blocks of
+# 256), shared memory (each program reserves 1 KB and takes it in 128-byte units), threads
+# and programs it can hold: the rules of CUDA's occupancy calculator (cuda_occupancy.h).
+_SM90_LIMITS = dict(registers=65536, sub_partitions=4, shared=233472, reserved=1024,
+                    shared_unit=128, threads=2048, programs=32)
 _PTXAS_REGISTERS = re.compile(r"Used (\d+) registers")
 _PTXAS_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 
@@ -117,8 +119,10 @@ def programs_an_sm(registers: int, threads: int, shared: int) -> dict:
     {"programs", "by_registers", "by_shared", "by_threads"}."""
     lim = _SM90_LIMITS
     per_warp = -(-registers * 32 // 256) * 256
-    by = {"by_registers": lim["registers"] // (per_warp * -(-threads // 32)),
-          "by_shared": lim["shared"] // (shared + lim["reserved"]),
+    warps = (lim["registers"] // lim["sub_partitions"] // per_warp) * lim["sub_partitions"]
+    unit = lim["shared_unit"]
+    by = {"by_registers": warps // -(-threads // 32),
+          "by_shared": lim["shared"] // (-(-(shared + lim["reserved"]) // unit) * unit),
           "by_threads": lim["threads"] // threads}
     return {"programs": min(lim["programs"], *by.values()), **by}
 
@@ -137,7 +141,10 @@ def assemble(kernel) -> tuple[str, dict]:
         sass = subprocess.run([cuobjdump, "-sass", cubin], check=True, capture_output=True,
                               text=True).stdout
     spills = [tuple(map(int, m)) for m in _PTXAS_SPILLS.findall(report)]
-    resources = {"registers": max(map(int, _PTXAS_REGISTERS.findall(report))),
+    used = [int(n) for n in _PTXAS_REGISTERS.findall(report)]
+    if not used:
+        raise RuntimeError(f"sass_audit: no register count in ptxas -v's report:\n{report}")
+    resources = {"registers": max(used),
                  "spill_stores": sum(st for st, _ in spills),
                  "spill_loads": sum(ld for _, ld in spills),
                  "shared": kernel.metadata.shared,
@@ -402,9 +409,10 @@ def _canary_kernel(x_desc, w_desc, out_ptr, D: tl.constexpr, BLOCK_S: tl.constex
     tl.store(out_ptr + rows[:, None] * BLOCK_N + cols[None, :], acc)
 
 
-def _cases(panel_tiles: str | None = None):
+def _cases(panel_tiles: str | None = None, dx_rows: int = 64):
     """The canary, then `mhmoe.kernels.sm90_compile_cases()`, or with panel_tiles
-    ("m/n/k/w/s;...") the panel dW GEMM at those tiles instead (dx rows of 64)."""
+    ("m/n/k/w/s;...") the panel dW GEMM at those tiles instead, the experts' rows padded
+    to dx_rows (the dx kernel's block_m: 64 up to 40 routes an expert, 128 above)."""
     from mhmoe.kernels import CompileCase, sm90_compile_cases
     from mhmoe.kernels.expert_backward import panel_dw_compile_cases
     from mhmoe.kernels.tuning import PanelGemmConfig
@@ -417,12 +425,12 @@ def _cases(panel_tiles: str | None = None):
     if panel_tiles:
         return [canary, *(case for spec in panel_tiles.split(";") for case in
                           panel_dw_compile_cases(PanelGemmConfig(*map(int, spec.split("/"))),
-                                                 dx_rows=64))]
+                                                 dx_rows))]
     return [canary, *sm90_compile_cases()]
 
 
-def audit(progress=None, only: str | None = None,
-          panel_tiles: str | None = None) -> list[dict]:
+def audit(progress=None, only: str | None = None, panel_tiles: str | None = None,
+          dx_rows: int = 64) -> list[dict]:
     """One row per kernel and tile: name, HGMMAs with a register A operand, hazards, and
     the waits that leave wgmma groups in flight (`WARPGROUP.DEPBAR.LE gsb0, N > 0`: none
     where ptxas serialised every wgmma, which it does when registers run short), and its
@@ -431,9 +439,10 @@ def audit(progress=None, only: str | None = None,
     reciprocals and full-range divisions (`reciprocals`), its innermost loops with a
     wgmma (`wgmma_loops`), its mbarrier arrivals (SYNCS.ARRIVE instructions) and what a
     program holds (`assemble`'s resources).
-    only: the kernels whose name holds it (and the canary); panel_tiles: as `_cases`."""
+    only: the kernels whose name holds it (and the canary); panel_tiles, dx_rows: as
+    `_cases`."""
     rows = []
-    for case in _cases(panel_tiles):
+    for case in _cases(panel_tiles, dx_rows):
         if only and only not in case.name and not case.name.startswith("canary"):
             continue
         if progress:
@@ -461,8 +470,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="a table of what a program holds (registers, spills, shared memory, "
                          "programs an SM) for every kernel, or those whose name holds NAME")
     ap.add_argument("--panel-tiles", metavar="M/N/K/W/S;...",
-                    help="audit the panel dW GEMM at these tiles (both MAGI-2 weight shapes, "
-                         "dx rows of 64) instead of the shipped kernels; prints --resources")
+                    help="audit the panel dW GEMM at these tiles (both MAGI-2 weight shapes) "
+                         "instead of the shipped kernels; prints --resources unless "
+                         "--opcodes is given")
+    ap.add_argument("--dx-rows", type=int, default=64, metavar="N",
+                    help="with --panel-tiles: the experts' rows padded to N, the dx "
+                         "kernel's block_m (64 up to 40 routes an expert, 128 above; default 64)")
     args = ap.parse_args(argv)
     if args.opcodes is not None and args.resources is not None:
         ap.error("--opcodes and --resources each name the kernels to show: give one")
@@ -470,11 +483,16 @@ def main(argv: list[str] | None = None) -> int:
         try:
             from mhmoe.kernels.tuning import PanelGemmConfig
             for spec in args.panel_tiles.split(";"):
-                PanelGemmConfig(*map(int, spec.split("/")))
+                cfg = PanelGemmConfig(*map(int, spec.split("/")))
+                if args.dx_rows % cfg.block_k:
+                    raise ValueError(f"block_k={cfg.block_k} must divide --dx-rows "
+                                     f"{args.dx_rows}")
         except (TypeError, ValueError) as exc:
             ap.error(f"--panel-tiles {args.panel_tiles!r}: {exc}")
-        if args.resources is None:
+        if args.resources is None and args.opcodes is None:
             args.resources = ""
+    elif args.dx_rows != 64:
+        ap.error("--dx-rows goes with --panel-tiles")
     if os.environ.get("TRITON_INTERPRET") == "1":
         ap.error("unset TRITON_INTERPRET: interpreted kernels cannot be compiled")
 
@@ -482,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"compiling {name} ...", file=sys.stderr, flush=True)
 
     only = args.opcodes if args.opcodes is not None else args.resources
-    rows = audit(progress, only or None, args.panel_tiles)
+    rows = audit(progress, only or None, args.panel_tiles, args.dx_rows)
     if args.json:
         print(json.dumps(rows, indent=1))
     elif args.resources is not None:

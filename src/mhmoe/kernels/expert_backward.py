@@ -850,9 +850,9 @@ def dx_signature(D: int, block_i: int) -> dict:
 
 
 def panel_dw_compile_cases(panel, dx_rows: int) -> list:
-    """The panel dW GEMM at `panel`'s tiles (a `PanelConfig`) for both of MAGI-2's weight
-    shapes, [D, I] (W_gate and W_up) and [I, D] (W_down), with experts' rows padded to
-    `dx_rows` (`mhmoe.kernels.CompileCase`)."""
+    """The panel dW GEMM at `panel`'s tiles (a `tuning.PanelGemmConfig`) for both of
+    MAGI-2's weight shapes, [D, I] (W_gate and W_up) and [I, D] (W_down), with experts'
+    rows padded to `dx_rows` (`mhmoe.kernels.CompileCase`)."""
     from ..config import MAGI2_PREVIEW as M
     from . import CompileCase
 
