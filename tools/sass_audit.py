@@ -312,7 +312,7 @@ def wgmma_loops(sass: str) -> list[dict]:
             count, cycles = opcodes.get(op, (0, 0))
             opcodes[op] = (count + 1, cycles + max(r["stall"], 1))
         row = {"addr": hex(top), "instructions": len(body), "wgmmas": n,
-               "issue_cycles": sum(max(r["stall"], 1) for r in body),
+               "issue_cycles": sum(cycles for _, cycles in opcodes.values()),
                "static_cycles": static_cycles(body), "tile_start": None, "tile_end": None,
                "opcodes": opcodes}
         if around:
@@ -409,13 +409,13 @@ def _canary_kernel(x_desc, w_desc, out_ptr, D: tl.constexpr, BLOCK_S: tl.constex
     tl.store(out_ptr + rows[:, None] * BLOCK_N + cols[None, :], acc)
 
 
-def _cases(panel_tiles: str | None = None, dx_rows: int = 64):
-    """The canary, then `mhmoe.kernels.sm90_compile_cases()`, or with panel_tiles
-    ("m/n/k/w/s;...") the panel dW GEMM at those tiles instead, the experts' rows padded
-    to dx_rows (the dx kernel's block_m: 64 up to 40 routes an expert, 128 above)."""
+def _cases(panel_tiles: list | None = None, dx_rows: int = 64):
+    """The canary, then `mhmoe.kernels.sm90_compile_cases()`, or with panel_tiles (a list
+    of `tuning.PanelGemmConfig`) the panel dW GEMM at those tiles instead, the experts'
+    rows padded to dx_rows (the dx kernel's block_m: 64 up to 40 routes an expert, 128
+    above)."""
     from mhmoe.kernels import CompileCase, sm90_compile_cases
     from mhmoe.kernels.expert_backward import panel_dw_compile_cases
-    from mhmoe.kernels.tuning import PanelGemmConfig
 
     canary = CompileCase(
         "canary (must show hazards)", _canary_kernel,
@@ -423,13 +423,12 @@ def _cases(panel_tiles: str | None = None, dx_rows: int = 64):
          "out_ptr": "*fp32"},
         dict(D=256, BLOCK_S=128, BLOCK_N=128, BLOCK_D=32), 4, 3)
     if panel_tiles:
-        return [canary, *(case for spec in panel_tiles.split(";") for case in
-                          panel_dw_compile_cases(PanelGemmConfig(*map(int, spec.split("/"))),
-                                                 dx_rows))]
+        return [canary, *(case for tile in panel_tiles
+                          for case in panel_dw_compile_cases(tile, dx_rows))]
     return [canary, *sm90_compile_cases()]
 
 
-def audit(progress=None, only: str | None = None, panel_tiles: str | None = None,
+def audit(progress=None, only: str | None = None, panel_tiles: list | None = None,
           dx_rows: int = 64) -> list[dict]:
     """One row per kernel and tile: name, HGMMAs with a register A operand, hazards, and
     the waits that leave wgmma groups in flight (`WARPGROUP.DEPBAR.LE gsb0, N > 0`: none
@@ -479,11 +478,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.opcodes is not None and args.resources is not None:
         ap.error("--opcodes and --resources each name the kernels to show: give one")
+    panel_tiles = None
     if args.panel_tiles is not None:
         try:
             from mhmoe.kernels.tuning import PanelGemmConfig
-            for spec in args.panel_tiles.split(";"):
-                cfg = PanelGemmConfig(*map(int, spec.split("/")))
+            panel_tiles = [PanelGemmConfig(*map(int, spec.split("/")))
+                           for spec in args.panel_tiles.split(";")]
+            for cfg in panel_tiles:
                 if args.dx_rows % cfg.block_k:
                     raise ValueError(f"block_k={cfg.block_k} must divide --dx-rows "
                                      f"{args.dx_rows}")
@@ -500,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"compiling {name} ...", file=sys.stderr, flush=True)
 
     only = args.opcodes if args.opcodes is not None else args.resources
-    rows = audit(progress, only or None, args.panel_tiles, args.dx_rows)
+    rows = audit(progress, only or None, panel_tiles, args.dx_rows)
     if args.json:
         print(json.dumps(rows, indent=1))
     elif args.resources is not None:
