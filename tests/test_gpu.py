@@ -778,6 +778,42 @@ def test_gluon_panel_kernel_variants(S, H, E, K, I, edge, monkeypatch):
         assert any("rcp.approx.ftz" in p for p in compiled_ptx(kernel)), kernel
 
 
+@pytest.mark.parametrize("S,H,E,K,I,edge", [
+    (300, 2, 8, 2, 192, "tiles ending inside an expert's rows"),
+    (1000, 3, 16, 4, 320, "every head-0 token on expert 0, the last experts empty"),
+    (1024, 12, 256, 6, 1280, "MAGI-2's expert shapes, 24 routes an expert"),
+    (32768, 2, 256, 6, 1280, "MAGI-2's expert shapes, 768 routes an expert (2 heads)"),
+])
+def test_panel_gemm_persistent_and_tma_store_on_gpu(S, H, E, K, I, edge, monkeypatch):
+    # PanelGemmConfig.programs_per_sm and tma_store (docs/expert-backward.md, "The dW
+    # GEMMs' stores"): the same sums in the same order, walked by persistent programs or
+    # written by bulk copies, so all five outputs equal the table's bitwise in
+    # deterministic mode, at the table's few-row and many-row tiles and at variants of
+    # them; and each specialisation that asked for bulk stores has them in its PTX.
+    import mhmoe.kernels.expert_backward as eb
+    import mhmoe.kernels.tuning as tuning
+
+    x, _, _, layout, run = panel_case(S, H, E, K, I, edge, monkeypatch)
+    table = tuning.expert_backward_config(x.device, layout.gather_ids.numel() / (H * E))
+    want = run(table)
+    for tiles in (tuning.SM90_PANEL_FEW, tuning.SM90_PANEL):
+        few, s = tiles.block_m == 64, tiles.num_stages
+        # (programs an SM, bulk stores, stages): 0 is one program an output tile.
+        for pps, store, stages in ((0, True, s), (4 if few else 1, False, s),
+                                   (3 if few else 1, True, s),
+                                   (5, True, 1) if few else (1, True, 2)):
+            panel = dataclasses.replace(tiles, programs_per_sm=pps, tma_store=store,
+                                        num_stages=stages)
+            got = run(dataclasses.replace(table, panel=panel))
+            for name, a, b in zip(("dx", "dprobs", "dWg", "dWu", "dWd"), got, want,
+                                  strict=True):
+                assert torch.equal(a, b), (edge, panel, name)
+            del got
+    bulk = [p for p in compiled_ptx(eb._panel_dw_kernel)
+            if "cp.async.bulk.tensor.2d.global.shared" in p]
+    assert bulk, "no panel dW specialisation stored by bulk copies"
+
+
 # ---------------------------------------------------------------------------------------
 # fp8 experts (kernels/expert_forward_fp8.py, docs/fp8.md)
 # ---------------------------------------------------------------------------------------

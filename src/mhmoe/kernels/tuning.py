@@ -760,6 +760,11 @@ class PanelGemmConfig:
         kernel's block_m (the panel's row padding), which it must divide.
     num_warps, num_stages: warps per program, pipelining depth of the loads.
     tma: load the panel tiles with tensor descriptors where the shapes allow.
+    programs_per_sm: 0, one program an output tile; n > 0, persistent programs, n an
+        SM (at most one a tile), each walking the tiles q, q + programs, ...
+    tma_store: write C by bulk copies from shared memory (a tensor descriptor) where
+        the shapes allow (block_m divides C's rows, 16-byte rows); with persistent
+        programs the store of one tile is in flight while the next tile's loads go out.
     """
 
     block_m: int
@@ -768,9 +773,15 @@ class PanelGemmConfig:
     num_warps: int
     num_stages: int
     tma: bool = True
+    programs_per_sm: int = 0
+    tma_store: bool = False
 
     def __post_init__(self) -> None:
         check_tiles(self, ("block_m", "block_n", "block_k"))
+        if (isinstance(self.programs_per_sm, bool) or not isinstance(self.programs_per_sm, int)
+                or self.programs_per_sm < 0):
+            raise ValueError("PanelGemmConfig.programs_per_sm: an int >= 0 (0: one program "
+                             f"an output tile), got {self.programs_per_sm!r}")
 
 
 def step_down_panel(cfg: PanelGemmConfig) -> PanelGemmConfig | None:
