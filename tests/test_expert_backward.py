@@ -398,6 +398,36 @@ def test_panel_gemm_persistent_and_tma_store(rng, tiles):
         assert not w.view(2, 4, -1)[:, 2].any()
 
 
+def test_gluon_dw_gemm_asked_where_it_cannot_run(rng, monkeypatch):
+    # PanelGemmConfig.warp_specialized runs on sm_90 only (bf16): a config that asks for
+    # it elsewhere is refused; the same config from the table runs the Triton kernel at
+    # the same tiles, bitwise as that config asked for directly.
+    ws = dataclasses.replace(BIG, panel=PanelGemmConfig(64, 64, 64, 4, 2,
+                                                        warp_specialized=True))
+    triton_tiles = dataclasses.replace(ws, panel=dataclasses.replace(ws.panel,
+                                                                     warp_specialized=False))
+    problem = make_problem(rng, 5, 2, 3, 2, 64, 64)
+    with pytest.raises(ValueError, match=r"panel\.warp_specialized needs an sm_90 GPU"):
+        run(*problem, config=ws)
+    want = run(*problem, config=triton_tiles)
+    monkeypatch.setattr(tuning, "expert_backward_config", lambda *a, **k: ws)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = run(*problem)
+    for name, a, b in zip(NAMES, got, want, strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_gluon_dw_gemm_config_checks():
+    assert PanelGemmConfig(64, 128, 64, 4, 4, warp_specialized=True).shared_bytes() == 229376
+    with pytest.raises(ValueError, match="block_m = block_k = 64"):
+        PanelGemmConfig(128, 128, 64, 4, 2, warp_specialized=True)
+    with pytest.raises(ValueError, match="block_n 64, 128 or 256"):
+        PanelGemmConfig(64, 32, 64, 4, 2, warp_specialized=True)
+    with pytest.raises(ValueError, match="278528 bytes of shared memory"):
+        PanelGemmConfig(64, 128, 64, 4, 5, warp_specialized=True)
+
+
 def test_panel_tma_store_fits():
     c = torch.empty(3, 64, 48, dtype=torch.bfloat16)
     assert eb.panel_tma_store_fits(c, PanelGemmConfig(32, 32, 32, 4, 1, tma_store=True))

@@ -784,34 +784,48 @@ def test_gluon_panel_kernel_variants(S, H, E, K, I, edge, monkeypatch):
     (1024, 12, 256, 6, 1280, "MAGI-2's expert shapes, 24 routes an expert"),
     (32768, 2, 256, 6, 1280, "MAGI-2's expert shapes, 768 routes an expert (2 heads)"),
 ])
-def test_panel_gemm_persistent_and_tma_store_on_gpu(S, H, E, K, I, edge, monkeypatch):
-    # PanelGemmConfig.programs_per_sm and tma_store (docs/expert-backward.md, "The dW
-    # GEMMs' stores"): the same sums in the same order, walked by persistent programs or
-    # written by bulk copies, so all five outputs equal the table's bitwise in
-    # deterministic mode, at the table's few-row and many-row tiles and at variants of
-    # them; and each specialisation that asked for bulk stores has them in its PTX.
+def test_panel_gemm_variants_on_gpu(S, H, E, K, I, edge, monkeypatch):
+    # The dW GEMMs' variants (docs/expert-backward.md, "The dW GEMMs under ncu"): the
+    # Triton kernel with persistent programs (PanelGemmConfig.programs_per_sm) or bulk
+    # stores (tma_store), and the Gluon kernel (warp_specialized), at the table's few-row
+    # and many-row tiles and around them. Each sums the same wgmma shape (m64nNk16, N the
+    # tile's width) in the same K order, so all five outputs equal the table's bitwise in
+    # deterministic mode (the two Gluon tiles whose N the table's tiles use) or equal each
+    # other's (64-wide). Each specialisation that asked for bulk stores has them in its
+    # PTX, and the Gluon kernel ran.
     import mhmoe.kernels.expert_backward as eb
+    import mhmoe.kernels.panel_dw_sm90 as pw
     import mhmoe.kernels.tuning as tuning
 
     x, _, _, layout, run = panel_case(S, H, E, K, I, edge, monkeypatch)
     table = tuning.expert_backward_config(x.device, layout.gather_ids.numel() / (H * E))
+    names = ("dx", "dprobs", "dWg", "dWu", "dWd")
     want = run(table)
+    variants = []
     for tiles in (tuning.SM90_PANEL_FEW, tuning.SM90_PANEL):
         few, s = tiles.block_m == 64, tiles.num_stages
         # (programs an SM, bulk stores, stages): 0 is one program an output tile.
         for pps, store, stages in ((0, True, s), (4 if few else 1, False, s),
                                    (3 if few else 1, True, s),
                                    (5, True, 1) if few else (1, True, 2)):
-            panel = dataclasses.replace(tiles, programs_per_sm=pps, tma_store=store,
-                                        num_stages=stages)
-            got = run(dataclasses.replace(table, panel=panel))
-            for name, a, b in zip(("dx", "dprobs", "dWg", "dWu", "dWd"), got, want,
-                                  strict=True):
-                assert torch.equal(a, b), (edge, panel, name)
-            del got
+            variants.append(dataclasses.replace(tiles, programs_per_sm=pps, tma_store=store,
+                                                num_stages=stages))
+    # The Gluon kernel's tile width must divide D and I (192 and 320 take only 64).
+    variants += [tuning.PanelGemmConfig(64, n, 64, 4, stages, warp_specialized=True)
+                 for n, stages in ((128, 4), (256, 2)) if I % n == 0]
+    for panel in variants:
+        got = run(dataclasses.replace(table, panel=panel))
+        for name, a, b in zip(names, got, want, strict=True):
+            assert torch.equal(a, b), (edge, panel, name)
+        del got
+    narrow = [run(dataclasses.replace(table, panel=tuning.PanelGemmConfig(
+        64, 64, 64, 4, s, warp_specialized=ws, tma=True))) for s, ws in ((2, False), (6, True))]
+    for name, a, b in zip(names, *narrow, strict=True):
+        assert torch.equal(a, b), (edge, "64-wide", name)
     bulk = [p for p in compiled_ptx(eb._panel_dw_kernel)
             if "cp.async.bulk.tensor.2d.global.shared" in p]
     assert bulk, "no panel dW specialisation stored by bulk copies"
+    assert compiled_ptx(pw._panel_dw_sm90_kernel), "the Gluon dW kernel did not run"
 
 
 # ---------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@
     expert_forward_fp8_sm90.py  the same contract in Gluon, warp-specialised (sm_90 only)
     expert_backward.py      the expert backward (dx, dprobs, weight gradients)
     expert_panels_sm90.py   its panel kernel (g, u, t, dprobs, panels) in Gluon (sm_90 only)
+    panel_dw_sm90.py        its weight gradients from the panels in Gluon (sm_90 only)
     row_keys.py             content keys of (token, head) rows (deterministic sums)
     tuning.py               every per-architecture tile table
 
@@ -58,6 +59,7 @@ def sm90_compile_cases() -> list[CompileCase]:
         expert_forward_fp8_sm90,
         expert_forward_sm90,
         expert_panels_sm90,
+        panel_dw_sm90,
         router_backward,
         router_logits,
         row_keys,
@@ -67,6 +69,7 @@ def sm90_compile_cases() -> list[CompileCase]:
              *expert_forward_sm90.sm90_compile_cases(), *expert_forward_fp8.sm90_compile_cases(),
              *expert_forward_fp8_sm90.sm90_compile_cases(),
              *expert_backward.sm90_compile_cases(), *expert_panels_sm90.sm90_compile_cases(),
+             *panel_dw_sm90.sm90_compile_cases(128, 4),
              *router_backward.sm90_compile_cases(),
              *row_keys.sm90_compile_cases()]
     # Tables whose rows share a tile list it once per row; each compile takes seconds of

@@ -605,6 +605,16 @@ class _Panels:
         d_gate, d_up, d_down = grads
         for a, b, c in ((xp, dgp, d_gate), (xp, dup, d_up), (app, dyp, d_down)):
             M, N = a.shape[1], b.shape[1]
+            if self.tiles.warp_specialized:
+                # The Gluon kernel (its fit checked by `_gluon_dw_fits` before the backward
+                # began).
+                from . import panel_dw_sm90  # Gluon: imported where it may run
+
+                panel_dw_sm90.launch_dw(a, b, c, offsets, tile_first,
+                                        first_expert=first_expert, experts=experts,
+                                        tile_m=block_m, block_n=self.tiles.block_n,
+                                        stages=self.tiles.num_stages)
+                continue
 
             def launch(t, a=a, b=b, c=c, M=M, N=N):  # bound now: runs in this pass
                 block_k = min(t.block_k, block_m)
@@ -632,6 +642,19 @@ class _Panels:
                 )
 
             self.tiles = launch_with_step_down(launch, self.tiles, step_down_panel)
+
+
+def _gluon_dw_fits(x_heads: torch.Tensor, w_down: torch.Tensor, dot_fp32: bool,
+                   config: ExpertBackwardConfig) -> bool:
+    """Whether `panel_dw_sm90` takes this backward's panels: an sm_90 GPU, bf16 panels and
+    weight gradients, D and I multiples of 64 and of block_n, the dx kernel's tiles (the
+    panels' row padding) 64 or 128 rows."""
+    D, I = w_down.shape[2], w_down.shape[1]
+    n = config.panel.block_n
+    return (x_heads.is_cuda and torch.cuda.get_device_capability(x_heads.device) == (9, 0)
+            and not dot_fp32 and w_down.dtype == torch.bfloat16
+            and D % 64 == 0 and I % 64 == 0 and D % n == 0 and I % n == 0
+            and config.dx.block_m in (64, 128))
 
 
 def panel_tma_store_fits(c: torch.Tensor, tiles: PanelGemmConfig) -> bool:
@@ -878,6 +901,18 @@ def triton_expert_backward(
             config = dataclasses.replace(
                 config, dx=dataclasses.replace(config.dx, warp_specialized=False),
                 panel_dx=None)
+    if config.panel is not None and config.panel.warp_specialized and not _gluon_dw_fits(
+            x_heads, w_down, dot_fp32, config):
+        if forced:
+            raise ValueError(
+                "config.panel.warp_specialized needs an sm_90 GPU, bf16 operands, D and I "
+                f"multiples of 64 and of block_n ({config.panel.block_n}) and dx tiles of "
+                f"64 or 128 rows; got {x_heads.device}, {x_heads.dtype}/{w_down.dtype}, "
+                f"D={D}, I={I}, dx block_m {config.dx.block_m}")
+        # A table's Gluon dW GEMM runs as the Triton kernel at the same tiles where it
+        # cannot run: the same sums (tests/test_gpu.py checks them bitwise).
+        config = dataclasses.replace(
+            config, panel=dataclasses.replace(config.panel, warp_specialized=False))
     split_forced = forced and config.panel_dx is not None
     panels = _Panels.plan(config, x_heads, R, F, I, dot_fp32, w_down.dtype,
                           warn=not split_forced)
@@ -921,6 +956,10 @@ def panel_dw_compile_cases(panel, dx_rows: int) -> list:
     from . import CompileCase
 
     D, I, p = M.head_dim, M.expert_intermediate_size, panel
+    if p.warp_specialized:
+        from . import panel_dw_sm90
+
+        return panel_dw_sm90.sm90_compile_cases(p.block_n, p.num_stages, dx_rows)
     cases = []
     for m_dim, n_dim in ((D, I), (I, D)):
         tma_store = p.tma_store and m_dim % p.block_m == 0

@@ -765,6 +765,10 @@ class PanelGemmConfig:
     tma_store: write C by bulk copies from shared memory (a tensor descriptor) where
         the shapes allow (block_m divides C's rows, 16-byte rows); with persistent
         programs the store of one tile is in flight while the next tile's loads go out.
+    warp_specialized: the Gluon kernel of `kernels/panel_dw_sm90.py` (sm_90, bf16): loader
+        warps run ahead of two consumer warpgroups, num_stages stages a consumer;
+        block_m = block_k = 64 and num_warps = 4 (a consumer), block_n 64, 128 or 256;
+        programs_per_sm and tma_store do not apply (one program an SM, bulk stores).
     """
 
     block_m: int
@@ -775,13 +779,33 @@ class PanelGemmConfig:
     tma: bool = True
     programs_per_sm: int = 0
     tma_store: bool = False
+    warp_specialized: bool = False
 
     def __post_init__(self) -> None:
         check_tiles(self, ("block_m", "block_n", "block_k"))
+        if self.warp_specialized:
+            if (self.block_m, self.block_k, self.num_warps) != (64, 64, 4) \
+                    or self.block_n not in (64, 128, 256):
+                raise ValueError("PanelGemmConfig.warp_specialized takes block_m = block_k = "
+                                 "64, num_warps = 4 and block_n 64, 128 or 256, got "
+                                 f"{self.block_m}/{self.block_n}/{self.block_k}/"
+                                 f"{self.num_warps}")
+            if self.shared_bytes() + 1024 > _SMEM_BYTES[(9, 0)]:
+                raise ValueError(f"{self}: the Gluon kernel's rings and "
+                                 f"staging tiles take {self.shared_bytes()} bytes of shared "
+                                 f"memory, more than sm_90's {_SMEM_BYTES[(9, 0)]} less 1 KB "
+                                 "for its barriers")
         if (isinstance(self.programs_per_sm, bool) or not isinstance(self.programs_per_sm, int)
                 or self.programs_per_sm < 0):
             raise ValueError("PanelGemmConfig.programs_per_sm: an int >= 0 (0: one program "
                              f"an output tile), got {self.programs_per_sm!r}")
+
+
+    def shared_bytes(self) -> int:
+        """The Gluon kernel's shared memory (warp_specialized): for each of the two
+        consumers num_stages stages of a [64, 64] A box and a [64, block_n] B tile, and a
+        [64, block_n] staging tile, in bf16; its mbarriers below 1 KB."""
+        return 2 * (self.num_stages * (64 + self.block_n) + self.block_n) * 64 * 2
 
 
 def step_down_panel(cfg: PanelGemmConfig) -> PanelGemmConfig | None:
