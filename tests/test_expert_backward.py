@@ -426,6 +426,10 @@ def test_gluon_dw_gemm_config_checks():
         PanelGemmConfig(64, 32, 64, 4, 2, warp_specialized=True)
     with pytest.raises(ValueError, match="278528 bytes of shared memory"):
         PanelGemmConfig(64, 128, 64, 4, 5, warp_specialized=True)
+    assert PanelGemmConfig(64, 128, 64, 4, 3, warp_specialized=True,
+                           store_buffers=2).shared_bytes() == 212992
+    with pytest.raises(ValueError, match="store_buffers: 1 or 2"):
+        PanelGemmConfig(64, 128, 64, 4, 2, warp_specialized=True, store_buffers=3)
 
 
 def test_panel_tma_store_fits():

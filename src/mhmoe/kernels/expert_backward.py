@@ -613,7 +613,8 @@ class _Panels:
                 panel_dw_sm90.launch_dw(a, b, c, offsets, tile_first,
                                         first_expert=first_expert, experts=experts,
                                         tile_m=block_m, block_n=self.tiles.block_n,
-                                        stages=self.tiles.num_stages)
+                                        stages=self.tiles.num_stages,
+                                        buffers=self.tiles.store_buffers)
                 continue
 
             def launch(t, a=a, b=b, c=c, M=M, N=N):  # bound now: runs in this pass
@@ -959,7 +960,8 @@ def panel_dw_compile_cases(panel, dx_rows: int) -> list:
     if p.warp_specialized:
         from . import panel_dw_sm90
 
-        return panel_dw_sm90.sm90_compile_cases(p.block_n, p.num_stages, dx_rows)
+        return panel_dw_sm90.sm90_compile_cases(p.block_n, p.num_stages, p.store_buffers,
+                                                dx_rows)
     cases = []
     for m_dim, n_dim in ((D, I), (I, D)):
         tma_store = p.tma_store and m_dim % p.block_m == 0

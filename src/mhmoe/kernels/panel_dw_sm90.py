@@ -18,8 +18,8 @@ warpgroup's epilogue runs beside the other's wgmmas. Partitions:
 
 - two consumer warpgroups (the default partition is consumer 0): per tile, wgmmas over
   its steps from their own ring (A read transposed from the [64 rows, 64] stage), then
-  the accumulator rounded to bf16 into a staging tile and written by bulk copies of
-  [64, 64] boxes, left in flight until the warpgroup's next tile needs the staging tile;
+  the accumulator rounded to bf16 into one of BUFS staging tiles and written by bulk
+  copies of [64, 64] boxes, left in flight until that staging tile comes round again;
 - two loader warps, one a consumer, each filling its consumer's ring of NSTAGE stages
   (A [64, 64] and B [64, BLOCK_N]: one bulk copy of each 64-column box) in the order the
   consumer reads them;
@@ -101,12 +101,15 @@ def _loader(a_desc, b_desc, a_s, b_s, ready, empty, offsets_ptr, tile_first_ptr,
 @gluon.jit
 def _consumer(c_desc, a_s, b_s, c_s, ready, empty, offsets_ptr, tile_first_ptr,
               first_expert, tiles, C: gl.constexpr, M: gl.constexpr, N: gl.constexpr,
-              TILE_M: gl.constexpr, BLOCK_N: gl.constexpr, NSTAGE: gl.constexpr):
-    """Consumer C's tiles: the sum over the steps, then the bulk stores of C."""
+              TILE_M: gl.constexpr, BLOCK_N: gl.constexpr, NSTAGE: gl.constexpr,
+              BUFS: gl.constexpr):
+    """Consumer C's tiles: the sum over the steps, then the bulk stores of C from staging
+    tile k % BUFS (k: the tiles it stored before)."""
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
     programs = gl.num_programs(0)
     n = 0
+    k = 0
     for tile in range(gl.program_id(0) + C * programs, tiles, 2 * programs):
         f, m0, n0, _, steps = _tile(tile, offsets_ptr, tile_first_ptr, first_expert, M, N,
                                     TILE_M, BLOCK_N)
@@ -125,17 +128,20 @@ def _consumer(c_desc, a_s, b_s, c_s, ready, empty, offsets_ptr, tile_first_ptr,
         if steps > 0:
             mbarrier.arrive(empty.index((n - 1) % NSTAGE), count=1)
         out = acc.to(gl.bfloat16)
-        # The previous tile's bulk stores have read the staging tile (the thread that
-        # issued them waits; the barrier passes that on to the warpgroup).
-        tma.store_wait(0)
+        # The bulk stores that read this staging tile, BUFS tiles ago, are done: each
+        # copy is a bulk group of its own, and the newer tiles' may stay in flight (the
+        # thread that issued them waits; the barrier passes that on to the warpgroup).
+        tma.store_wait((BUFS - 1) * (BLOCK_N // 64))
         gl.thread_barrier()
-        c_s.store(out)
+        staging = c_s.index(k % BUFS)
+        staging.store(out)
         fence_async_shared()
         gl.thread_barrier()
         row = f * M + m0
         for c in gl.static_range(BLOCK_N // 64):
             tma.async_copy_shared_to_global(c_desc, [row, n0 + c * 64],
-                                            c_s.slice(c * 64, 64, dim=1))
+                                            staging.slice(c * 64, 64, dim=1))
+        k += 1
     tma.store_wait(0)
 
 
@@ -146,18 +152,20 @@ def _panel_dw_sm90_kernel(
     offsets_ptr, tile_first_ptr,  # CSR offsets [H*E + 1]; the dx launch's tile_first [n]
     first_expert, tiles,  # output tiles of the launch: experts * (M / 64) * (N / BLOCK_N)
     M: gl.constexpr, N: gl.constexpr, TILE_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    NSTAGE: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+    NSTAGE: gl.constexpr, BUFS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    LOADER_REGS: gl.constexpr,
 ):
     """C[f] = A_f^T B_f (see the module docstring). Launch grid: (programs,), persistent;
-    4 warps (consumer 0) plus the workers. NSTAGE: stages of each consumer's ring."""
+    4 warps (consumer 0) plus the workers. NSTAGE: stages of each consumer's ring; BUFS:
+    its staging tiles."""
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
     b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BLOCK_N], gl.bfloat16)
     a_s0 = gl.allocate_shared_memory(gl.bfloat16, [NSTAGE, 64, 64], a_layout)
     a_s1 = gl.allocate_shared_memory(gl.bfloat16, [NSTAGE, 64, 64], a_layout)
     b_s0 = gl.allocate_shared_memory(gl.bfloat16, [NSTAGE, 64, BLOCK_N], b_layout)
     b_s1 = gl.allocate_shared_memory(gl.bfloat16, [NSTAGE, 64, BLOCK_N], b_layout)
-    c_s0 = gl.allocate_shared_memory(gl.bfloat16, [64, BLOCK_N], b_layout)
-    c_s1 = gl.allocate_shared_memory(gl.bfloat16, [64, BLOCK_N], b_layout)
+    c_s0 = gl.allocate_shared_memory(gl.bfloat16, [BUFS, 64, BLOCK_N], b_layout)
+    c_s1 = gl.allocate_shared_memory(gl.bfloat16, [BUFS, 64, BLOCK_N], b_layout)
     ready0 = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], mbarrier.MBarrierLayout())
     ready1 = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], mbarrier.MBarrierLayout())
     empty0 = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], mbarrier.MBarrierLayout())
@@ -169,9 +177,9 @@ def _panel_dw_sm90_kernel(
         mbarrier.init(empty1.index(s), count=1)
     gl.warp_specialize([
         (_consumer, (c_desc, a_s0, b_s0, c_s0, ready0, empty0, offsets_ptr, tile_first_ptr,
-                     first_expert, tiles, 0, M, N, TILE_M, BLOCK_N, NSTAGE)),
+                     first_expert, tiles, 0, M, N, TILE_M, BLOCK_N, NSTAGE, BUFS)),
         (_consumer, (c_desc, a_s1, b_s1, c_s1, ready1, empty1, offsets_ptr, tile_first_ptr,
-                     first_expert, tiles, 1, M, N, TILE_M, BLOCK_N, NSTAGE)),
+                     first_expert, tiles, 1, M, N, TILE_M, BLOCK_N, NSTAGE, BUFS)),
         (_loader, (a_desc, b_desc, a_s0, b_s0, ready0, empty0, offsets_ptr, tile_first_ptr,
                    first_expert, tiles, 0, M, N, TILE_M, BLOCK_N, NSTAGE)),
         (_loader, (a_desc, b_desc, a_s1, b_s1, ready1, empty1, offsets_ptr, tile_first_ptr,
@@ -188,14 +196,15 @@ def descriptors(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor):
                  for t in (a, b, c.view(-1, N)))
 
 
-def kernel_options(M: int, N: int, tile_m: int, block_n: int, stages: int) -> dict:
+def kernel_options(M: int, N: int, tile_m: int, block_n: int, stages: int,
+                   buffers: int) -> dict:
     """The constexprs of `_panel_dw_sm90_kernel`."""
-    return dict(M=M, N=N, TILE_M=tile_m, BLOCK_N=block_n, NSTAGE=stages,
+    return dict(M=M, N=N, TILE_M=tile_m, BLOCK_N=block_n, NSTAGE=stages, BUFS=buffers,
                 CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS)
 
 
 def launch_dw(a, b, c, offsets, tile_first, *, first_expert: int, experts: int, tile_m: int,
-              block_n: int, stages: int) -> None:
+              block_n: int, stages: int, buffers: int) -> None:
     """C[f] for `experts` flat experts from `first_expert` (the shapes that
     `expert_backward._gluon_dw_fits` admits): one persistent program an SM, at most one
     for each two output tiles."""
@@ -205,10 +214,11 @@ def launch_dw(a, b, c, offsets, tile_first, *, first_expert: int, experts: int, 
     programs = max(1, min(sms, (tiles + 1) // 2))
     _panel_dw_sm90_kernel[(programs,)](
         *descriptors(a, b, c), offsets, tile_first, first_expert, tiles,
-        **kernel_options(M, N, tile_m, block_n, stages), num_warps=4, maxnreg=MAXNREG)
+        **kernel_options(M, N, tile_m, block_n, stages, buffers), num_warps=4,
+        maxnreg=MAXNREG)
 
 
-def sm90_compile_cases(block_n: int, stages: int, tile_m: int = 128) -> list:
+def sm90_compile_cases(block_n: int, stages: int, buffers: int, tile_m: int = 128) -> list:
     """This kernel at MAGI-2's two weight shapes, [D, I] (W_gate and W_up) and [I, D]
     (W_down) (`mhmoe.kernels.CompileCase`)."""
     from triton.runtime.jit import mangle_type
@@ -227,7 +237,9 @@ def sm90_compile_cases(block_n: int, stages: int, tile_m: int = 128) -> list:
                "offsets_ptr": "*i64", "tile_first_ptr": "*i32", "first_expert": "i32",
                "tiles": "i32"}
         cases.append(CompileCase(
-            f"panel dW {m_dim}x{n_dim} ws (Gluon) 64/{block_n}/{stages} (dx rows {tile_m})",
+            f"panel dW {m_dim}x{n_dim} ws (Gluon) 64/{block_n}/{stages}/{buffers} "
+            f"(dx rows {tile_m})",
             _panel_dw_sm90_kernel, sig,
-            kernel_options(m_dim, n_dim, tile_m, block_n, stages), 4, 1, (), MAXNREG))
+            kernel_options(m_dim, n_dim, tile_m, block_n, stages, buffers), 4, 1, (),
+            MAXNREG))
     return cases

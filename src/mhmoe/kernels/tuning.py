@@ -769,6 +769,8 @@ class PanelGemmConfig:
         warps run ahead of two consumer warpgroups, num_stages stages a consumer;
         block_m = block_k = 64 and num_warps = 4 (a consumer), block_n 64, 128 or 256;
         programs_per_sm and tma_store do not apply (one program an SM, bulk stores).
+    store_buffers: with warp_specialized, a consumer's staging tiles (1 or 2): with two,
+        a tile's bulk stores stay in flight while the next tile is staged.
     """
 
     block_m: int
@@ -780,6 +782,7 @@ class PanelGemmConfig:
     programs_per_sm: int = 0
     tma_store: bool = False
     warp_specialized: bool = False
+    store_buffers: int = 1
 
     def __post_init__(self) -> None:
         check_tiles(self, ("block_m", "block_n", "block_k"))
@@ -790,6 +793,9 @@ class PanelGemmConfig:
                                  "64, num_warps = 4 and block_n 64, 128 or 256, got "
                                  f"{self.block_m}/{self.block_n}/{self.block_k}/"
                                  f"{self.num_warps}")
+            if self.store_buffers not in (1, 2):
+                raise ValueError("PanelGemmConfig.store_buffers: 1 or 2, got "
+                                 f"{self.store_buffers!r}")
             if self.shared_bytes() + 1024 > _SMEM_BYTES[(9, 0)]:
                 raise ValueError(f"{self}: the Gluon kernel's rings and "
                                  f"staging tiles take {self.shared_bytes()} bytes of shared "
@@ -803,9 +809,10 @@ class PanelGemmConfig:
 
     def shared_bytes(self) -> int:
         """The Gluon kernel's shared memory (warp_specialized): for each of the two
-        consumers num_stages stages of a [64, 64] A box and a [64, block_n] B tile, and a
-        [64, block_n] staging tile, in bf16; its mbarriers below 1 KB."""
-        return 2 * (self.num_stages * (64 + self.block_n) + self.block_n) * 64 * 2
+        consumers num_stages stages of a [64, 64] A box and a [64, block_n] B tile, and
+        store_buffers [64, block_n] staging tiles, in bf16; its mbarriers below 1 KB."""
+        return 2 * (self.num_stages * (64 + self.block_n)
+                    + self.store_buffers * self.block_n) * 64 * 2
 
 
 def step_down_panel(cfg: PanelGemmConfig) -> PanelGemmConfig | None:
