@@ -428,6 +428,8 @@ def test_gluon_dw_gemm_config_checks():
         PanelGemmConfig(64, 128, 64, 4, 5, warp_specialized=True)
     assert PanelGemmConfig(64, 128, 64, 4, 3, warp_specialized=True,
                            store_buffers=2).shared_bytes() == 212992
+    with pytest.raises(ValueError, match="num_stages >= 2"):
+        PanelGemmConfig(64, 128, 64, 4, 1, warp_specialized=True)
     with pytest.raises(ValueError, match="store_buffers: 1 or 2"):
         PanelGemmConfig(64, 128, 64, 4, 2, warp_specialized=True, store_buffers=3)
 

@@ -208,6 +208,10 @@ def launch_dw(a, b, c, offsets, tile_first, *, first_expert: int, experts: int, 
     """C[f] for `experts` flat experts from `first_expert` (the shapes that
     `expert_backward._gluon_dw_fits` admits): one persistent program an SM, at most one
     for each two output tiles."""
+    if tile_m % 64:
+        # Each tile's steps would come out zero and its gradients zeros.
+        raise ValueError(f"the Gluon dW GEMM needs dx tiles of a multiple of 64 rows, got "
+                         f"{tile_m}")
     M, N = c.shape[1:]
     tiles = experts * (M // 64) * (N // block_n)
     sms = torch.cuda.get_device_properties(c.device).multi_processor_count

@@ -793,6 +793,11 @@ class PanelGemmConfig:
                                  "64, num_warps = 4 and block_n 64, 128 or 256, got "
                                  f"{self.block_m}/{self.block_n}/{self.block_k}/"
                                  f"{self.num_warps}")
+            if self.num_stages < 2:
+                # A consumer frees a stage only once the next step's wgmma is issued: with
+                # one stage, a tile of two steps would wait on itself.
+                raise ValueError("PanelGemmConfig.warp_specialized needs num_stages >= 2, "
+                                 f"got {self.num_stages}")
             if self.store_buffers not in (1, 2):
                 raise ValueError("PanelGemmConfig.store_buffers: 1 or 2, got "
                                  f"{self.store_buffers!r}")
