@@ -1,7 +1,7 @@
 """Check and time the fused expert backward at MAGI-2 dims (run on a GPU machine).
 
     PYTHONPATH=src python3 benchmarks/bench_expert_backward.py [--sizes 4096,32768]
-        [--sweep "dx=m/i/w/s,dw=m/i/w/s,panel=m/n/k/w/s[/tma[/pps[/tma_store]]]|none,
+        [--sweep "dx=m/i/w/s,dw=m/i/w/s,panel=m/n/k/w/s[/tma[/gws[/bufs]]]|none,
                   pdx=i/w/s,ws=1,rcp=1,st=8;..."]
         [--skip-checks] [--sweep-only]
         [--out OUT.json] [--no-record]
@@ -15,11 +15,11 @@ and mode (default / deterministic): the forward, the backward and forward+backwa
 (`mhmoe.bench.bench_ms`), with the peak memory beyond inputs, outputs and gradients.
 --sweep: backward tile configs over the default ones of `tuning.expert_backward_config`
 (ExpertForwardConfig / PanelGemmConfig / PanelDxConfig fields in order, booleans as 0/1;
-panel=none: the recomputing dW kernel; pps: the panel GEMM's persistent programs an SM,
-0 for one program a tile; pdx: dx from the panels; ws=1 with pdx: the Gluon
-panel kernel; rcp=1: the sigmoid's reciprocal, `sigmoid_rcp`; st=8: the Gluon kernel's
-8-byte stores, `panel_store_bytes`), timed at the largest S in default mode in shuffled
-interleaved rounds against the default tiles (`mhmoe.bench.interleaved`,
+panel=none: the recomputing dW kernel; gws=1: the Gluon dW GEMM with bufs staging tiles
+(`PanelGemmConfig.warp_specialized`, `store_buffers`); pdx: dx from the panels; ws=1
+with pdx: the Gluon panel kernel; rcp=1: the sigmoid's reciprocal, `sigmoid_rcp`; st=8:
+the Gluon kernel's 8-byte stores, `panel_store_bytes`), timed at the largest S in default
+mode in shuffled interleaved rounds against the default tiles (`mhmoe.bench.interleaved`,
 docs/measuring.md), with the largest relative difference of their gradients from the
 default's; --sweep-only leaves out the per-size default and deterministic timings before
 it (the sweep times the default tiles beside its variants anyway). A table last.
@@ -175,11 +175,11 @@ def time_size(st: Setup, S: int, gen, weights, det: bool) -> dict:
 
 
 def parse_config(spec: str, default: ExpertBackwardConfig) -> ExpertBackwardConfig:
-    """'dx=m/i/w/s,dw=m/i/w/s,panel=m/n/k/w/s[/tma[/pps[/tma_store]]],pdx=i/w/s[/tma],
+    """'dx=m/i/w/s,dw=m/i/w/s,panel=m/n/k/w/s[/tma[/gws[/bufs]]],pdx=i/w/s[/tma],
     ws=0|1,rcp=0|1,st=8|16' over `default` (fields in the dataclasses' order, booleans
-    as 0/1); 'panel=none': recompute; pdx: dx from the panels (`PanelDxConfig`); ws=1:
-    with pdx, the Gluon panel kernel (dx.warp_specialized); rcp: `sigmoid_rcp`; st:
-    `panel_store_bytes`."""
+    as 0/1); 'panel=none': recompute; gws, bufs: the Gluon dW GEMM; pdx: dx from the
+    panels (`PanelDxConfig`); ws=1: with pdx, the Gluon panel kernel
+    (dx.warp_specialized); rcp: `sigmoid_rcp`; st: `panel_store_bytes`."""
     tiles, ws = {}, None
     for part in spec.split(","):
         key, value = part.split("=")

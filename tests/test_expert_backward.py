@@ -117,15 +117,8 @@ def rel_err(out, ref):
 
 def check(gen, S, H, E, K, D, I, dtype=torch.bfloat16, experts=None, config=BIG, wdtype=None,
           **kw):
-    return check_problem(make_problem(gen, S, H, E, K, D, I, dtype, experts, wdtype), config,
-                         **kw)
-
-
-def check_problem(problem, config=BIG, **kw):
-    """The kernels' gradients of `problem` (make_problem's), checked against float64
-    within the error of the fp32 PyTorch reference and the dtypes' floors."""
+    problem = make_problem(gen, S, H, E, K, D, I, dtype, experts, wdtype)
     x, probs, indices, wg, wu, wd, dy = problem
-    dtype, E = x.dtype, wg.shape[0] // x.shape[1]
     grads = run(*problem, config=config, **kw)
     shapes = [x.shape, probs.shape, wg.shape, wu.shape, wd.shape]
     dtypes = [x.dtype, torch.float32, wg.dtype, wu.dtype, wd.dtype]
@@ -373,31 +366,6 @@ def test_panel_k_step_smaller_than_tile(rng):
     check(rng, 40, 2, 3, 2, 32, 48, config=cfg)
 
 
-@pytest.mark.parametrize("tiles", [
-    (32, 32, 32, 4, 1, True, 2, True),  # persistent, bulk stores of C
-    (16, 32, 16, 4, 1, False, 3, False),  # persistent, pointer loads and stores
-    (32, 32, 32, 4, 1, True, 0, True),  # a program an output tile, bulk stores of C
-])
-def test_panel_gemm_persistent_and_tma_store(rng, tiles):
-    # The same sums as one program an output tile, in the same order, only walked by
-    # fewer programs (two or three here: one "SM" on the CPU) or written by bulk copies:
-    # bitwise equal, and against float64 as `check` asks. Expert 2 of each head gets no
-    # route: its gradients are zeros, written by whichever program walks its tiles.
-    # D = 48 and I = 64: the gate and up gradients [D, I] have M = 48 rows, which
-    # block_m = 32 does not divide, so they keep pointer stores; W_down's [I, D] has
-    # M = 64 and takes the bulk stores.
-    panel = PanelGemmConfig(*tiles)
-    plain = dataclasses.replace(panel, programs_per_sm=0, tma_store=False)
-    problem = make_problem(rng, 20, 2, 4, 2, 48, 64, experts=[0, 1, 3])
-    config = dataclasses.replace(BIG, panel=panel)
-    walked = check_problem(problem, config)
-    one_each = run(*problem, config=dataclasses.replace(BIG, panel=plain))
-    for name, a, b in zip(NAMES, walked, one_each, strict=True):
-        assert torch.equal(a, b), name
-    for w in walked[2:]:
-        assert not w.view(2, 4, -1)[:, 2].any()
-
-
 def test_gluon_dw_gemm_asked_where_it_cannot_run(rng, monkeypatch):
     # PanelGemmConfig.warp_specialized runs on sm_90 only (bf16): a config that asks for
     # it elsewhere is refused; the same config from the table runs the Triton kernel at
@@ -432,19 +400,6 @@ def test_gluon_dw_gemm_config_checks():
         PanelGemmConfig(64, 128, 64, 4, 1, warp_specialized=True)
     with pytest.raises(ValueError, match="store_buffers: 1 or 2"):
         PanelGemmConfig(64, 128, 64, 4, 2, warp_specialized=True, store_buffers=3)
-
-
-def test_panel_tma_store_fits():
-    c = torch.empty(3, 64, 48, dtype=torch.bfloat16)
-    assert eb.panel_tma_store_fits(c, PanelGemmConfig(32, 32, 32, 4, 1, tma_store=True))
-    assert not eb.panel_tma_store_fits(c, PanelGemmConfig(128, 32, 32, 4, 1))  # 128 ∤ 64
-    assert not eb.panel_tma_store_fits(torch.empty(3, 64, 12, dtype=torch.bfloat16),
-                                       PanelGemmConfig(32, 32, 32, 4, 1))  # 24-byte rows
-    assert not eb.panel_tma_store_fits(c.transpose(1, 2), PanelGemmConfig(16, 32, 32, 4, 1))
-    with pytest.raises(ValueError, match="programs_per_sm"):
-        PanelGemmConfig(32, 32, 32, 4, 1, programs_per_sm=-1)
-    with pytest.raises(ValueError, match="programs_per_sm"):
-        PanelGemmConfig(32, 32, 32, 4, 1, programs_per_sm=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

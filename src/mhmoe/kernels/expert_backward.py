@@ -28,6 +28,8 @@ limit, the dW kernel recomputes g, u and t instead (11 GEMMs).
 - `_panel_dw_kernel`: dWg = x^T dg, dWu = x^T du, dWd = (a p)^T dy, one
   program per (expert, output tile), the expert's panel rows summed in
   ascending order; one owner per element, written once in the weight dtype.
+  On sm_90 `PanelGemmConfig.warp_specialized` runs the same contract in Gluon
+  (`panel_dw_sm90.py`), with the same bits.
 - `_expert_dw_kernel` (recompute): one program per (expert, I slice). It loops
   over the expert's row blocks in ascending order, accumulates dWg, dWu and
   dWd^T for its slice in fp32 registers and writes them once in the weight
@@ -450,23 +452,40 @@ def _panel_tiles(a_ptr, b_ptr, r, m0, n0, M: tl.constexpr, N: tl.constexpr,
 
 
 @triton.jit
-def _panel_dw_tile(a_ptr, b_ptr, c_ptr, offsets_ptr, tile_first_ptr, first_expert, tile,
-                   M: tl.constexpr, N: tl.constexpr, TILE_M: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   UPCAST: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
-                   TMA_STORE: tl.constexpr):
-    """Output tile `tile` of `_panel_dw_kernel`: its expert's panel rows summed in
-    ascending order in fp32, written once in C's dtype."""
+def _panel_dw_kernel(
+    a_ptr, b_ptr, c_ptr,  # panels A [P, M], B [P, N] (pointers or TMA descriptors); C [F, M, N]
+    offsets_ptr, tile_first_ptr,  # CSR offsets [H*E + 1]; the dx launch's tile_first [n]
+    first_expert,
+    M: tl.constexpr, N: tl.constexpr, TILE_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+):
+    """C[f] = A_f^T B_f for the n experts of one panel group, one output tile a program.
+
+    A_f, B_f: the panel rows of expert f = first_expert + e, rows
+    [tile_first[e] * TILE_M, (tile_first[e] + tiles) * TILE_M), tiles =
+    cdiv(routes of f, TILE_M) (the dx kernel's tiles; padding rows are zeros).
+    Launch grid: (n * cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),); program q owns
+    expert e = q // (tiles of C) and one [BLOCK_M, BLOCK_N] tile of C[f],
+    summed over the expert's rows in ascending order in fp32 and written once
+    in C's dtype (an expert without routes writes zeros). One owner per
+    element and a fixed order: deterministic. BLOCK_K divides TILE_M.
+    USE_TMA: a_ptr, b_ptr are descriptors with blocks [BLOCK_K, BLOCK_M] and
+    [BLOCK_K, BLOCK_N], whose bounds zero-fill columns past M or N.
+    """
     NUM_M: tl.constexpr = (M + BLOCK_M - 1) // BLOCK_M
     NUM_N: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
-    e = tile // (NUM_M * NUM_N)
-    m0 = (tile // NUM_N) % NUM_M * BLOCK_M
-    n0 = tile % NUM_N * BLOCK_N
+    pid = tl.program_id(0)
+    e = pid // (NUM_M * NUM_N)
+    m0 = (pid // NUM_N) % NUM_M * BLOCK_M
+    n0 = pid % NUM_N * BLOCK_N
     f = (first_expert + e).to(tl.int64)
     routes = tl.load(offsets_ptr + f + 1) - tl.load(offsets_ptr + f)
     row0 = tl.load(tile_first_ptr + e).to(tl.int64) * TILE_M
     steps = tl.cdiv(routes, TILE_M) * (TILE_M // BLOCK_K)
 
+    m = m0 + tl.arange(0, BLOCK_M)
+    n = n0 + tl.arange(0, BLOCK_N)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if UPCAST:
         # The interpreter cannot range() over a loaded scalar; a while loop
@@ -483,69 +502,11 @@ def _panel_dw_tile(a_ptr, b_ptr, c_ptr, offsets_ptr, tile_first_ptr, first_exper
             a, b = _panel_tiles(a_ptr, b_ptr, row0 + step * BLOCK_K, m0, n0, M, N,
                                 BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA)
             acc = tl.dot(tl.trans(a), b, acc, input_precision=PRECISION)
-    if TMA_STORE:
-        # C as [F * M, N]; M % BLOCK_M == 0 (the launcher's condition), so a tile never
-        # reaches into the next expert's rows.
-        c_dtype: tl.constexpr = c_ptr.dtype
-        if UPCAST:
-            acc = round_fp32(acc, c_dtype)
-        c_ptr.store([(f * M + m0).to(tl.int32), n0], acc.to(c_dtype))
-    else:
-        c_dtype: tl.constexpr = c_ptr.dtype.element_ty
-        if UPCAST:
-            acc = round_fp32(acc, c_dtype)
-        m = m0 + tl.arange(0, BLOCK_M)
-        n = n0 + tl.arange(0, BLOCK_N)
-        tl.store(c_ptr + f * M * N + m[:, None] * N + n[None, :], acc.to(c_dtype),
-                 mask=(m < M)[:, None] & (n < N)[None, :])
-
-
-@triton.jit
-def _panel_dw_kernel(
-    a_ptr, b_ptr, c_ptr,  # panels A [P, M], B [P, N] (pointers or TMA descriptors); C [F, M, N]
-    offsets_ptr, tile_first_ptr,  # CSR offsets [H*E + 1]; the dx launch's tile_first [n]
-    first_expert,
-    tiles,  # output tiles of the launch: experts * cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N)
-    M: tl.constexpr, N: tl.constexpr, TILE_M: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
-    PERSISTENT: tl.constexpr = False, TMA_STORE: tl.constexpr = False,
-):
-    """C[f] = A_f^T B_f for the n experts of one panel group, one output tile at a time.
-
-    A_f, B_f: the panel rows of expert f = first_expert + e, rows
-    [tile_first[e] * TILE_M, (tile_first[e] + tiles) * TILE_M), tiles =
-    cdiv(routes of f, TILE_M) (the dx kernel's tiles; padding rows are zeros).
-    Output tile q is expert e = q // (tiles of C) and one [BLOCK_M, BLOCK_N] tile of
-    C[f], summed over the expert's rows in ascending order in fp32 and written once
-    in C's dtype (an expert without routes writes zeros). One owner per
-    element and a fixed order: deterministic. BLOCK_K divides TILE_M.
-    Launch grid: (tiles,), program q owns tile q; with PERSISTENT any grid, program q
-    takes tiles q, q + programs, ... (the same sums: the tile's owner changes, not its
-    order). USE_TMA: a_ptr, b_ptr are descriptors with blocks [BLOCK_K, BLOCK_M] and
-    [BLOCK_K, BLOCK_N], whose bounds zero-fill columns past M or N. TMA_STORE: c_ptr is
-    a descriptor of C as [F * M, N] with block [BLOCK_M, BLOCK_N], M % BLOCK_M == 0.
-    """
-    pid = tl.program_id(0)
-    if PERSISTENT:
-        # The tile's bulk store (TMA_STORE) is left in flight while the next tile's
-        # loads are issued; a program holds one tile's operands at a time.
-        if UPCAST:
-            tile = pid
-            while tile < tiles:
-                _panel_dw_tile(a_ptr, b_ptr, c_ptr, offsets_ptr, tile_first_ptr,
-                               first_expert, tile, M, N, TILE_M, BLOCK_M, BLOCK_N, BLOCK_K,
-                               UPCAST, PRECISION, USE_TMA, TMA_STORE)
-                tile += tl.num_programs(0)
-        else:
-            for tile in range(pid, tiles, tl.num_programs(0)):
-                _panel_dw_tile(a_ptr, b_ptr, c_ptr, offsets_ptr, tile_first_ptr,
-                               first_expert, tile, M, N, TILE_M, BLOCK_M, BLOCK_N, BLOCK_K,
-                               UPCAST, PRECISION, USE_TMA, TMA_STORE)
-    else:
-        _panel_dw_tile(a_ptr, b_ptr, c_ptr, offsets_ptr, tile_first_ptr, first_expert,
-                       pid, M, N, TILE_M, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION,
-                       USE_TMA, TMA_STORE)
+    c_dtype = c_ptr.dtype.element_ty
+    if UPCAST:
+        acc = round_fp32(acc, c_dtype)
+    tl.store(c_ptr + f * M * N + m[:, None] * N + n[None, :], acc.to(c_dtype),
+             mask=(m < M)[:, None] & (n < N)[None, :])
 
 
 class _Panels:
@@ -626,20 +587,14 @@ class _Panels:
                     b_arg = TensorDescriptor.from_tensor(b, [block_k, t.block_n])
                 else:
                     a_arg, b_arg = a, b
-                tma_store = t.tma_store and panel_tma_store_fits(c, t)
-                c_arg = (TensorDescriptor.from_tensor(c.view(-1, N), [t.block_m, t.block_n])
-                         if tma_store else c)
-                tiles = experts * triton.cdiv(M, t.block_m) * triton.cdiv(N, t.block_n)
-                programs = (min(tiles, t.programs_per_sm * _multiprocessors(c.device))
-                            if t.programs_per_sm else tiles)
-                _panel_dw_kernel[(max(programs, 1),)](
-                    a_ptr=a_arg, b_ptr=b_arg, c_ptr=c_arg,
+                grid = (experts * triton.cdiv(M, t.block_m) * triton.cdiv(N, t.block_n),)
+                _panel_dw_kernel[grid](
+                    a_ptr=a_arg, b_ptr=b_arg, c_ptr=c,
                     offsets_ptr=offsets, tile_first_ptr=tile_first, first_expert=first_expert,
-                    tiles=tiles, M=M, N=N, TILE_M=block_m,
+                    M=M, N=N, TILE_M=block_m,
                     BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=block_k,
                     UPCAST=interpret, DOT_FP32=dot_fp32, PRECISION=precision,
-                    USE_TMA=use_tma, PERSISTENT=t.programs_per_sm > 0, TMA_STORE=tma_store,
-                    num_warps=t.num_warps, num_stages=t.num_stages,
+                    USE_TMA=use_tma, num_warps=t.num_warps, num_stages=t.num_stages,
                 )
 
             self.tiles = launch_with_step_down(launch, self.tiles, step_down_panel)
@@ -656,23 +611,6 @@ def _gluon_dw_fits(x_heads: torch.Tensor, w_down: torch.Tensor, dot_fp32: bool,
             and not dot_fp32 and w_down.dtype == torch.bfloat16
             and D % 64 == 0 and I % 64 == 0 and D % n == 0 and I % n == 0
             and config.dx.block_m in (64, 128))
-
-
-def panel_tma_store_fits(c: torch.Tensor, tiles: PanelGemmConfig) -> bool:
-    """Whether the panel GEMM can write C [F, M, N] by bulk copies at these tiles: C
-    contiguous, its rows 16-byte multiples on a 16-byte aligned base, and block_m
-    dividing M (a tile of C as [F * M, N] then stays inside its expert)."""
-    M, N = c.shape[1:]
-    return (c.is_contiguous() and (N * c.element_size()) % 16 == 0
-            and c.data_ptr() % 16 == 0 and M % tiles.block_m == 0)
-
-
-def _multiprocessors(device: torch.device) -> int:
-    """SMs of a CUDA device; 1 elsewhere (the interpreter runs programs one by one, so a
-    persistent launch there is `programs_per_sm` programs)."""
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _panel_rows(S: int, H: int, R: int, E: int, heads: int, block_m: int,
@@ -962,26 +900,17 @@ def panel_dw_compile_cases(panel, dx_rows: int) -> list:
 
         return panel_dw_sm90.sm90_compile_cases(p.block_n, p.num_stages, p.store_buffers,
                                                 dx_rows)
-    cases = []
-    for m_dim, n_dim in ((D, I), (I, D)):
-        tma_store = p.tma_store and m_dim % p.block_m == 0
-        extra = ((f" persistent {p.programs_per_sm}" if p.programs_per_sm else "")
-                 + (" tma store" if tma_store else ""))
-        cases.append(CompileCase(
-            f"panel dW {m_dim}x{n_dim} {p.block_m}/{p.block_n}/{p.block_k}/"
-            f"{p.num_warps}/{p.num_stages}{extra} (dx rows {dx_rows})",
-            _panel_dw_kernel,
-            {"a_ptr": f"tensordesc<bf16[{p.block_k}, {p.block_m}]>",
-             "b_ptr": f"tensordesc<bf16[{p.block_k}, {p.block_n}]>",
-             "c_ptr": (f"tensordesc<bf16[{p.block_m}, {p.block_n}]>" if tma_store
-                       else "*bf16"),
-             "offsets_ptr": "*i64", "tile_first_ptr": "*i32", "first_expert": "i32",
-             "tiles": "i32"},
-            dict(M=m_dim, N=n_dim, TILE_M=dx_rows, BLOCK_M=p.block_m, BLOCK_N=p.block_n,
-                 BLOCK_K=p.block_k, UPCAST=False, DOT_FP32=False, PRECISION="tf32",
-                 USE_TMA=p.tma, PERSISTENT=p.programs_per_sm > 0, TMA_STORE=tma_store),
-            p.num_warps, p.num_stages))
-    return cases
+    return [CompileCase(
+        f"panel dW {m_dim}x{n_dim} {p.block_m}/{p.block_n}/{p.block_k}/"
+        f"{p.num_warps}/{p.num_stages} (dx rows {dx_rows})",
+        _panel_dw_kernel,
+        {"a_ptr": f"tensordesc<bf16[{p.block_k}, {p.block_m}]>",
+         "b_ptr": f"tensordesc<bf16[{p.block_k}, {p.block_n}]>", "c_ptr": "*bf16",
+         "offsets_ptr": "*i64", "tile_first_ptr": "*i32", "first_expert": "i32"},
+        dict(M=m_dim, N=n_dim, TILE_M=dx_rows, BLOCK_M=p.block_m, BLOCK_N=p.block_n,
+             BLOCK_K=p.block_k, UPCAST=False, DOT_FP32=False, PRECISION="tf32",
+             USE_TMA=p.tma),
+        p.num_warps, p.num_stages) for m_dim, n_dim in ((D, I), (I, D))]
 
 
 def sm90_compile_cases() -> list:

@@ -760,15 +760,10 @@ class PanelGemmConfig:
         kernel's block_m (the panel's row padding), which it must divide.
     num_warps, num_stages: warps per program, pipelining depth of the loads.
     tma: load the panel tiles with tensor descriptors where the shapes allow.
-    programs_per_sm: 0, one program an output tile; n > 0, persistent programs, n an
-        SM (at most one a tile), each walking the tiles q, q + programs, ...
-    tma_store: write C by bulk copies from shared memory (a tensor descriptor) where
-        the shapes allow (block_m divides C's rows, 16-byte rows); with persistent
-        programs the store of one tile is in flight while the next tile's loads go out.
     warp_specialized: the Gluon kernel of `kernels/panel_dw_sm90.py` (sm_90, bf16): loader
         warps run ahead of two consumer warpgroups, num_stages stages a consumer;
-        block_m = block_k = 64 and num_warps = 4 (a consumer), block_n 64, 128 or 256;
-        programs_per_sm and tma_store do not apply (one program an SM, bulk stores).
+        block_m = block_k = 64 and num_warps = 4 (a consumer), block_n 64, 128 or 256
+        (one program an SM; C leaves by bulk copies).
     store_buffers: with warp_specialized, a consumer's staging tiles (1 or 2): with two,
         a tile's bulk stores stay in flight while the next tile is staged.
     """
@@ -779,8 +774,6 @@ class PanelGemmConfig:
     num_warps: int
     num_stages: int
     tma: bool = True
-    programs_per_sm: int = 0
-    tma_store: bool = False
     warp_specialized: bool = False
     store_buffers: int = 1
 
@@ -806,10 +799,6 @@ class PanelGemmConfig:
                                  f"staging tiles take {self.shared_bytes()} bytes of shared "
                                  f"memory, more than sm_90's {_SMEM_BYTES[(9, 0)]} less 1 KB "
                                  "for its barriers")
-        if (isinstance(self.programs_per_sm, bool) or not isinstance(self.programs_per_sm, int)
-                or self.programs_per_sm < 0):
-            raise ValueError("PanelGemmConfig.programs_per_sm: an int >= 0 (0: one program "
-                             f"an output tile), got {self.programs_per_sm!r}")
 
 
     def shared_bytes(self) -> int:
