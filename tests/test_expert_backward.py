@@ -379,9 +379,18 @@ def test_gluon_dw_gemm_asked_where_it_cannot_run(rng, monkeypatch):
         run(*problem, config=ws)
     want = run(*problem, config=triton_tiles)
     monkeypatch.setattr(tuning, "expert_backward_config", lambda *a, **k: ws)
+    ran = []
+    weight_gradients = eb._Panels.weight_gradients
+
+    def record(self, *args, **kwargs):
+        ran.append(self.tiles)
+        return weight_gradients(self, *args, **kwargs)
+
+    monkeypatch.setattr(eb._Panels, "weight_gradients", record)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         got = run(*problem)
+    assert ran == [triton_tiles.panel]  # the panel GEMMs at the same tiles, in Triton
     for name, a, b in zip(NAMES, got, want, strict=True):
         assert torch.equal(a, b), name
 

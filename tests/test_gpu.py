@@ -788,10 +788,10 @@ def test_gluon_dw_gemm_on_gpu(S, H, E, K, I, edge, monkeypatch):
     # The Gluon dW GEMM (PanelGemmConfig.warp_specialized; docs/expert-backward.md, "The
     # dW GEMMs under ncu, their stores, and a Gluon kernel"): the Triton kernel's wgmma
     # shape (m64nNk16, N the tile's width) in the same K order, so all five outputs equal
-    # the Triton kernel's at the same width bitwise in deterministic mode, and the table's
-    # (whose widths differ: a bf16 wgmma's bits do not depend on N, as the Triton tiles of
-    # both widths showed on 2026-12-06). Every output starts as NaN, so a tile left
-    # unwritten cannot pass; and the Gluon kernel must have run.
+    # the Triton kernel's at the same width bitwise in deterministic mode, and (128 and 256
+    # wide) the table's, whose width may differ: the Triton tiles of those two widths gave
+    # the same bits on 2026-12-06. Every output starts as NaN, so a tile left unwritten
+    # cannot pass; and the Gluon kernel must have run.
     import mhmoe.kernels.panel_dw_sm90 as pw
     import mhmoe.kernels.tuning as tuning
 
@@ -821,8 +821,11 @@ def test_gluon_dw_gemm_on_gpu(S, H, E, K, I, edge, monkeypatch):
         for name, a, b in zip(names, got, same_n, strict=True):
             assert torch.equal(a, b), (edge, panel, "same N", name)
         del same_n
-        for name, a, b in zip(names, got, want, strict=True):
-            assert torch.equal(a, b), (edge, panel, name)
+        if panel.block_n >= 128:
+            # The table's tiles are 128 or 256 wide; a 64-wide wgmma's bits against those
+            # were never measured (the 64-wide tile is checked against Triton's above).
+            for name, a, b in zip(names, got, want, strict=True):
+                assert torch.equal(a, b), (edge, panel, name)
         del got
     assert compiled_ptx(pw._panel_dw_sm90_kernel), "the Gluon dW kernel did not run"
 

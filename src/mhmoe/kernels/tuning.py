@@ -800,7 +800,6 @@ class PanelGemmConfig:
                                  f"memory, more than sm_90's {_SMEM_BYTES[(9, 0)]} less 1 KB "
                                  "for its barriers")
 
-
     def shared_bytes(self) -> int:
         """The Gluon kernel's shared memory (warp_specialized): for each of the two
         consumers num_stages stages of a [64, 64] A box and a [64, block_n] B tile, and
