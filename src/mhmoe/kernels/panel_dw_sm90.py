@@ -6,11 +6,11 @@ each [BLOCK_M, BLOCK_N] output tile summed over those rows in ascending order in
 (wgmma, K = 64 steps) and written once in bf16; an expert without routes gets zeros.
 
 Why a kernel of its own: under ncu (docs/expert-backward.md, "The dW GEMMs under ncu")
-the Triton kernel's warps wait mostly on the bulk loads of the step they are about to
-multiply: 39% of the samples at 1,024 tokens, where every tile is one step and a program
-issues its loads only once its previous tile is written, and 43% at 32,768. Here loader
-warps walk the same tiles ahead of the consumers, so a tile's loads are in flight while
-the tiles before it are multiplied and stored.
+the largest share of the Triton kernel's warp samples is the wait for the bulk loads of
+the step about to be multiplied: 39% at 1,024 tokens, where every tile is one step and a
+program issues its loads only once its previous tile is written, and 43% at 32,768.
+Here loader warps walk the same tiles ahead of the consumers, so a tile's loads are in
+flight while the tiles before it are multiplied and stored.
 
 One persistent program an SM takes the output tiles q, q + programs, ...; it splits them
 between two consumer warpgroups (even and odd tiles of its own list), so that one
