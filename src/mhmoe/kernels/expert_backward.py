@@ -76,6 +76,7 @@ from .tuning import (
     ExpertBackwardConfig,
     PanelGemmConfig,
     interpreting,
+    on_sm90,
     step_down_panel,
     step_down_panel_dx,
 )
@@ -607,7 +608,7 @@ def _gluon_dw_fits(x_heads: torch.Tensor, w_down: torch.Tensor, dot_fp32: bool,
     panels' row padding) 64 or 128 rows."""
     D, I = w_down.shape[2], w_down.shape[1]
     n = config.panel.block_n
-    return (x_heads.is_cuda and torch.cuda.get_device_capability(x_heads.device) == (9, 0)
+    return (on_sm90(x_heads)
             and not dot_fp32 and w_down.dtype == torch.bfloat16
             and D % 64 == 0 and I % 64 == 0 and D % n == 0 and I % n == 0
             and config.dx.block_m in (64, 128))

@@ -72,7 +72,7 @@ from .expert_forward_sm90 import (
     _wait_stage,
     _x_loader,
 )
-from .tuning import Fp8ForwardSm90Config, fp8_forward_sm90_config
+from .tuning import Fp8ForwardSm90Config, fp8_forward_sm90_config, on_sm90
 
 # The same constants as expert_forward_fp8's (mhmoe.fp8's FP8_MAX and AMAX_FLOOR).
 _FP8_MAX = gl.constexpr(448.0)
@@ -450,7 +450,7 @@ def fp8_ws_fits(x_heads: torch.Tensor, wg_t: torch.Tensor, wd_t: torch.Tensor) -
     """Whether this kernel takes the shapes and dtypes: bf16 x, e4m3 weights (wg_t
     [F, I, D], wd_t [F, D, I]), D = 256, I a multiple of 64, on an sm_90 GPU."""
     I, D = wg_t.shape[1], wg_t.shape[2]
-    return (x_heads.is_cuda and torch.cuda.get_device_capability(x_heads.device) == (9, 0)
+    return (on_sm90(x_heads)
             and x_heads.dtype == torch.bfloat16
             and wg_t.dtype == wd_t.dtype == torch.float8_e4m3fn
             and D == 256 and I % 64 == 0 and I > 0)

@@ -63,7 +63,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .tuning import ExpertForwardSm90Config, expert_forward_sm90_config
+from .tuning import ExpertForwardSm90Config, expert_forward_sm90_config, on_sm90
 
 # The cluster variant (CLUSTER = 2): two CTAs, on neighbouring SMs, take the two tiles of
 # a tile pair; where both tiles belong to one expert each CTA loads half of every stage
@@ -556,7 +556,7 @@ def ws_fits(x_heads: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
     """Whether this kernel takes the shapes and dtypes: bf16 throughout, D = 256,
     I a multiple of 64, on an sm_90 GPU."""
     D, I = w_gate.shape[1], w_gate.shape[2]
-    return (x_heads.is_cuda and torch.cuda.get_device_capability(x_heads.device) == (9, 0)
+    return (on_sm90(x_heads)
             and all(t.dtype == torch.bfloat16 for t in (x_heads, w_gate, w_up, w_down))
             and D == 256 and I % 64 == 0 and I > 0)
 

@@ -69,7 +69,7 @@ from .expert_forward_sm90 import (
     _wait_stage,
     weight_descriptors,
 )
-from .tuning import PanelsSm90Config, panels_sm90_config
+from .tuning import PanelsSm90Config, on_sm90, panels_sm90_config
 
 
 @gluon.jit
@@ -462,7 +462,7 @@ def panels_fit(x_heads: torch.Tensor, grad_y: torch.Tensor, w_gate: torch.Tensor
     """Whether this kernel takes the shapes and dtypes: bf16 throughout, D = 256,
     I a multiple of 64, on an sm_90 GPU."""
     D, I = w_gate.shape[1], w_gate.shape[2]
-    return (x_heads.is_cuda and torch.cuda.get_device_capability(x_heads.device) == (9, 0)
+    return (on_sm90(x_heads)
             and all(t.dtype == torch.bfloat16 for t in (x_heads, grad_y, w_gate, w_up, w_down))
             and D == 256 and I % 64 == 0 and I > 0)
 

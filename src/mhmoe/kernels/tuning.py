@@ -189,6 +189,11 @@ def _arch(device: torch.device) -> tuple[int, int] | None:
     return torch.cuda.get_device_capability(device)
 
 
+def on_sm90(t: torch.Tensor) -> bool:
+    """Whether `t` lives on an sm_90 GPU (H100, H200), where the Gluon kernels run."""
+    return _arch(t.device) == (9, 0)
+
+
 def _smem_bytes(cfg: ExpertForwardConfig, d: int, elem: int) -> int:
     """Shared memory the kernel needs: x tile, pipelined weight slices, barriers.
 
@@ -935,10 +940,21 @@ SM90_SPLIT = dataclasses.replace(SM90_FUSED, panel_dx=SM90_PANEL_DX)
 SM90_SPLIT_WS = dataclasses.replace(
     SM90_SPLIT, dx=dataclasses.replace(SM90_SPLIT.dx, warp_specialized=True),
     sigmoid_rcp=True, panel_store_bytes=8)
+# The Gluon dW GEMM (kernels/panel_dw_sm90.py) at 64/64 tiles and six stages, where the
+# dx kernel's tiles are 128 rows; the Triton kernel runs the same tiles where it cannot.
+SM90_PANEL_FEW_WS = PanelGemmConfig(64, 64, 64, 4, 6, warp_specialized=True)
+# At few rows an expert the dx kernel pads each expert's routes to whole tiles, so the
+# tile height sets how much of its work, of the panels it writes and of the dW GEMMs'
+# reductions is padding: 32-row tiles (mma.sync: a warpgroup's wgmma takes 64 rows) around
+# 24 rows an expert, 64-row tiles up to ~64, 128-row tiles above, where an expert's
+# routes span several tiles and each tile reads its weights again. The bounds sit between
+# the token counts swept (docs/expert-backward.md, "The dx kernel's tiles at few rows").
+SM90_FEW_ROWS = ExpertBackwardConfig(dx=ExpertForwardConfig(64, 32, 4, 3),
+                                     dw=ExpertForwardConfig(64, 32, 8, 2), panel=SM90_PANEL_FEW)
 BACKWARD_SM90 = (
-    (40.0, ExpertBackwardConfig(dx=ExpertForwardConfig(64, 32, 4, 3),
-                                dw=ExpertForwardConfig(64, 32, 8, 2), panel=SM90_PANEL_FEW)),
-    (192.0, dataclasses.replace(SM90_FUSED, panel=SM90_PANEL_FEW)),
+    (28.0, dataclasses.replace(SM90_FEW_ROWS, dx=ExpertForwardConfig(32, 32, 4, 4))),
+    (64.0, SM90_FEW_ROWS),
+    (192.0, dataclasses.replace(SM90_FUSED, panel=SM90_PANEL_FEW_WS)),
     (float("inf"), SM90_SPLIT_WS),
 )
 # float32 operands (fp32 weights, or mixed dtypes): twice the shared memory per
