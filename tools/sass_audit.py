@@ -412,8 +412,8 @@ def _canary_kernel(x_desc, w_desc, out_ptr, D: tl.constexpr, BLOCK_S: tl.constex
 def _cases(panel_tiles: list | None = None, dx_rows: int = 64):
     """The canary, then `mhmoe.kernels.sm90_compile_cases()`, or with panel_tiles (a list
     of `tuning.PanelGemmConfig`) the panel dW GEMM at those tiles instead, the experts'
-    rows padded to dx_rows (the dx kernel's block_m: 64 up to 40 routes an expert, 128
-    above)."""
+    rows padded to dx_rows (the dx kernel's block_m: 32 up to 28 routes an expert, 64 up
+    to 64, 128 above)."""
     from mhmoe.kernels import CompileCase, sm90_compile_cases
     from mhmoe.kernels.expert_backward import panel_dw_compile_cases
 
@@ -474,7 +474,8 @@ def main(argv: list[str] | None = None) -> int:
                          "--opcodes is given")
     ap.add_argument("--dx-rows", type=int, default=64, metavar="N",
                     help="with --panel-tiles: the experts' rows padded to N, the dx "
-                         "kernel's block_m (64 up to 40 routes an expert, 128 above; default 64)")
+                         "kernel's block_m (32 up to 28 routes an expert, 64 up to 64, "
+                         "128 above; default 64)")
     args = ap.parse_args(argv)
     if args.opcodes is not None and args.resources is not None:
         ap.error("--opcodes and --resources each name the kernels to show: give one")
@@ -485,9 +486,10 @@ def main(argv: list[str] | None = None) -> int:
             panel_tiles = [PanelGemmConfig(*map(int, spec.split("/")))
                            for spec in args.panel_tiles.split(";")]
             for cfg in panel_tiles:
-                if args.dx_rows % cfg.block_k:
+                if args.dx_rows % min(cfg.block_k, args.dx_rows):
                     raise ValueError(f"block_k={cfg.block_k} must divide --dx-rows "
-                                     f"{args.dx_rows}")
+                                     f"{args.dx_rows} (or exceed it: then it is clamped "
+                                     "to it, as at launch)")
         except (TypeError, ValueError) as exc:
             ap.error(f"--panel-tiles {args.panel_tiles!r}: {exc}")
         if args.resources is None and args.opcodes is None:

@@ -891,25 +891,27 @@ def dx_signature(D: int, block_i: int) -> dict:
 def panel_dw_compile_cases(panel, dx_rows: int) -> list:
     """The panel dW GEMM at `panel`'s tiles (a `tuning.PanelGemmConfig`) for both of
     MAGI-2's weight shapes, [D, I] (W_gate and W_up) and [I, D] (W_down), with experts'
-    rows padded to `dx_rows` (`mhmoe.kernels.CompileCase`)."""
+    rows padded to `dx_rows` (`mhmoe.kernels.CompileCase`); block_k at most dx_rows, as the
+    launcher clamps it."""
     from ..config import MAGI2_PREVIEW as M
     from . import CompileCase
 
     D, I, p = M.head_dim, M.expert_intermediate_size, panel
+    k = min(p.block_k, dx_rows)
     if p.warp_specialized:
         from . import panel_dw_sm90
 
         return panel_dw_sm90.sm90_compile_cases(p.block_n, p.num_stages, p.store_buffers,
                                                 dx_rows)
     return [CompileCase(
-        f"panel dW {m_dim}x{n_dim} {p.block_m}/{p.block_n}/{p.block_k}/"
+        f"panel dW {m_dim}x{n_dim} {p.block_m}/{p.block_n}/{k}/"
         f"{p.num_warps}/{p.num_stages} (dx rows {dx_rows})",
         _panel_dw_kernel,
-        {"a_ptr": f"tensordesc<bf16[{p.block_k}, {p.block_m}]>",
-         "b_ptr": f"tensordesc<bf16[{p.block_k}, {p.block_n}]>", "c_ptr": "*bf16",
+        {"a_ptr": f"tensordesc<bf16[{k}, {p.block_m}]>",
+         "b_ptr": f"tensordesc<bf16[{k}, {p.block_n}]>", "c_ptr": "*bf16",
          "offsets_ptr": "*i64", "tile_first_ptr": "*i32", "first_expert": "i32"},
         dict(M=m_dim, N=n_dim, TILE_M=dx_rows, BLOCK_M=p.block_m, BLOCK_N=p.block_n,
-             BLOCK_K=p.block_k, UPCAST=False, DOT_FP32=False, PRECISION="tf32",
+             BLOCK_K=k, UPCAST=False, DOT_FP32=False, PRECISION="tf32",
              USE_TMA=p.tma),
         p.num_warps, p.num_stages) for m_dim, n_dim in ((D, I), (I, D))]
 
