@@ -393,6 +393,27 @@ def test_gluon_dw_gemm_asked_where_it_cannot_run(rng, monkeypatch):
     assert ran == [triton_tiles.panel]  # the panel GEMMs at the same tiles, in Triton
     for name, a, b in zip(NAMES, got, want, strict=True):
         assert torch.equal(a, b), name
+    # A table's config with Triton tiles of its own for that case runs those.
+    fallback = PanelGemmConfig(32, 64, 32, 4, 1)
+    monkeypatch.setattr(tuning, "expert_backward_config", lambda *a, **k: dataclasses.replace(
+        ws, panel=dataclasses.replace(ws.panel, triton_fallback=fallback)))
+    want = run(*problem, config=dataclasses.replace(ws, panel=fallback))
+    ran.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = run(*problem)
+    assert ran == [fallback]
+    for name, a, b in zip(NAMES, got, want, strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_sm90_table_rows_fit_their_kernels():
+    # The Gluon dW GEMM takes panels of 64- or 128-row dx tiles; a row that pairs it with
+    # other dx tiles would raise where the row is named and fall back where it is not.
+    for _, row in tuning.BACKWARD_SM90:
+        if row.panel is not None and row.panel.warp_specialized:
+            assert row.dx.block_m in (64, 128), row
+            assert row.panel.triton_fallback is not None, row  # measured Triton tiles
 
 
 def test_gluon_dw_gemm_config_checks():
@@ -409,6 +430,12 @@ def test_gluon_dw_gemm_config_checks():
         PanelGemmConfig(64, 128, 64, 4, 1, warp_specialized=True)
     with pytest.raises(ValueError, match="store_buffers: 1 or 2"):
         PanelGemmConfig(64, 128, 64, 4, 2, warp_specialized=True, store_buffers=3)
+    triton = PanelGemmConfig(64, 128, 64, 4, 2)
+    with pytest.raises(ValueError, match="triton_fallback"):
+        PanelGemmConfig(64, 128, 64, 4, 2, triton_fallback=triton)  # not warp_specialized
+    with pytest.raises(ValueError, match="triton_fallback"):
+        PanelGemmConfig(64, 128, 64, 4, 2, warp_specialized=True,
+                        triton_fallback=dataclasses.replace(triton, warp_specialized=True))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

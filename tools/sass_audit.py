@@ -486,6 +486,9 @@ def main(argv: list[str] | None = None) -> int:
             panel_tiles = [PanelGemmConfig(*map(int, spec.split("/")))
                            for spec in args.panel_tiles.split(";")]
             for cfg in panel_tiles:
+                if cfg.warp_specialized and args.dx_rows not in (64, 128):
+                    raise ValueError("the Gluon dW GEMM takes dx tiles of 64 or 128 rows, "
+                                     f"got --dx-rows {args.dx_rows}")
                 if args.dx_rows % min(cfg.block_k, args.dx_rows):
                     raise ValueError(f"block_k={cfg.block_k} must divide --dx-rows "
                                      f"{args.dx_rows} (or exceed it: then it is clamped "

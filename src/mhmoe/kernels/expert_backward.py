@@ -849,10 +849,11 @@ def triton_expert_backward(
                 f"multiples of 64 and of block_n ({config.panel.block_n}) and dx tiles of "
                 f"64 or 128 rows; got {x_heads.device}, {x_heads.dtype}/{w_down.dtype}, "
                 f"D={D}, I={I}, dx block_m {config.dx.block_m}")
-        # A table's Gluon dW GEMM runs as the Triton kernel at the same tiles where it
-        # cannot run: the same sums (tests/test_gpu.py checks them bitwise).
-        config = dataclasses.replace(
-            config, panel=dataclasses.replace(config.panel, warp_specialized=False))
+        # A table's Gluon dW GEMM runs as the Triton kernel where it cannot run: at its
+        # triton_fallback tiles, else at the same tiles (the same sums: tests/test_gpu.py
+        # checks them bitwise).
+        config = dataclasses.replace(config, panel=config.panel.triton_fallback or
+                                     dataclasses.replace(config.panel, warp_specialized=False))
     split_forced = forced and config.panel_dx is not None
     panels = _Panels.plan(config, x_heads, R, F, I, dot_fp32, w_down.dtype,
                           warn=not split_forced)

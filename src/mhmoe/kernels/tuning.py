@@ -761,8 +761,8 @@ class PanelGemmConfig:
 
     block_m, block_n: the [block_m, block_n] output tile of C[f] one program
         owns (fp32 accumulator in registers).
-    block_k: panel rows per step of the reduction loop; at most the dx
-        kernel's block_m (the panel's row padding), which it must divide.
+    block_k: panel rows per step of the reduction loop; clamped at launch to the dx
+        kernel's block_m (the panel's row padding), which it must then divide.
     num_warps, num_stages: warps per program, pipelining depth of the loads.
     tma: load the panel tiles with tensor descriptors where the shapes allow.
     warp_specialized: the Gluon kernel of `kernels/panel_dw_sm90.py` (sm_90, bf16): loader
@@ -771,6 +771,9 @@ class PanelGemmConfig:
         (one program an SM; C leaves by bulk copies).
     store_buffers: with warp_specialized, a consumer's staging tiles (1 or 2): with two,
         a tile's bulk stores stay in flight while the next tile is staged.
+    triton_fallback: with warp_specialized, the Triton tiles a table's config runs where
+        the Gluon kernel cannot (not bf16, D or I not multiples of 64 and of block_n, dx
+        tiles not 64 or 128 rows); None: the same tiles in Triton.
     """
 
     block_m: int
@@ -781,9 +784,14 @@ class PanelGemmConfig:
     tma: bool = True
     warp_specialized: bool = False
     store_buffers: int = 1
+    triton_fallback: PanelGemmConfig | None = None
 
     def __post_init__(self) -> None:
         check_tiles(self, ("block_m", "block_n", "block_k"))
+        if self.triton_fallback is not None and (
+                not self.warp_specialized or self.triton_fallback.warp_specialized):
+            raise ValueError("PanelGemmConfig.triton_fallback: Triton tiles for a "
+                             "warp_specialized config")
         if self.warp_specialized:
             if (self.block_m, self.block_k, self.num_warps) != (64, 64, 4) \
                     or self.block_n not in (64, 128, 256):
@@ -919,9 +927,10 @@ class ExpertBackwardConfig:
 # forward's tiles, hence block_i = 16 with 3 stages (209 KB of the 227 KB) at
 # many rows per expert. The sweeps behind each choice: docs/expert-backward.md.
 SM90_PANEL = PanelGemmConfig(128, 256, 64, 8, 3)
-# At 192 rows an expert or fewer the dW GEMMs are short in K (rows) and one 128/256 tile
-# an SM (147 KB of shared memory) leaves its stores and the next tile's loads unoverlapped;
-# 64/128 tiles of 2 stages fit 4 programs an SM, which pays at few rows and costs at many
+# At few rows an expert (64 or fewer in the table) the dW GEMMs are short in K (rows) and
+# one 128/256 tile an SM (147 KB of shared memory) leaves its stores and the next tile's
+# loads unoverlapped; 64/128 tiles of 2 stages fit 4 programs an SM, which pays at few
+# rows and costs at many
 # (the sweep: docs/expert-backward.md, "The dW GEMMs at few rows an expert").
 SM90_PANEL_FEW = PanelGemmConfig(64, 128, 64, 4, 2)
 SM90_FUSED = ExpertBackwardConfig(dx=ExpertForwardConfig(128, 16, 8, 3),
@@ -941,8 +950,9 @@ SM90_SPLIT_WS = dataclasses.replace(
     SM90_SPLIT, dx=dataclasses.replace(SM90_SPLIT.dx, warp_specialized=True),
     sigmoid_rcp=True, panel_store_bytes=8)
 # The Gluon dW GEMM (kernels/panel_dw_sm90.py) at 64/64 tiles and six stages, where the
-# dx kernel's tiles are 128 rows; the Triton kernel runs the same tiles where it cannot.
-SM90_PANEL_FEW_WS = PanelGemmConfig(64, 64, 64, 4, 6, warp_specialized=True)
+# dx kernel's tiles are 128 rows; where it cannot run, the Triton tiles measured there.
+SM90_PANEL_FEW_WS = PanelGemmConfig(64, 64, 64, 4, 6, warp_specialized=True,
+                                    triton_fallback=SM90_PANEL_FEW)
 # At few rows an expert the dx kernel pads each expert's routes to whole tiles, so the
 # tile height sets how much of its work, of the panels it writes and of the dW GEMMs'
 # reductions is padding: 32-row tiles (mma.sync: a warpgroup's wgmma takes 64 rows) around
