@@ -791,8 +791,8 @@ def test_gluon_dw_gemm_on_gpu(S, H, E, K, I, edge, monkeypatch):
     # dW GEMMs under ncu, their stores, and a Gluon kernel"): the Triton kernel's wgmma
     # shape (m64nNk16, N the tile's width) in the same K order, so all five outputs equal
     # the Triton kernel's at the same width bitwise in deterministic mode, and (128 and 256
-    # wide) the table's, whose width may differ: the Triton tiles of those two widths gave
-    # the same bits on 2026-12-06. Every output starts as NaN, so a tile left unwritten
+    # wide) the reference's (below), whose width may differ: the Triton tiles of those two
+    # widths gave the same bits on 2026-12-06. Every output starts as NaN, so a tile left unwritten
     # cannot pass; and the Gluon kernel must have run.
     import mhmoe.kernels.panel_dw_sm90 as pw
     import mhmoe.kernels.tuning as tuning
@@ -801,13 +801,13 @@ def test_gluon_dw_gemm_on_gpu(S, H, E, K, I, edge, monkeypatch):
     # The reference: the table's config, with 64-row dx tiles where the table's are 32
     # rows (the Gluon kernel takes panels of 64- and 128-row tiles) and the Triton dW tile
     # 64/128 where the table's is narrower or the Gluon kernel.
-    table = tuning.expert_backward_config(x.device, layout.gather_ids.numel() / (H * E))
-    if table.dx.block_m < 64:
-        table = dataclasses.replace(table, dx=tuning.SM90_FEW_ROWS.dx)
-    if table.panel.block_n < 128 or table.panel.warp_specialized:
-        table = dataclasses.replace(table, panel=tuning.SM90_PANEL_FEW)
+    reference = tuning.expert_backward_config(x.device, layout.gather_ids.numel() / (H * E))
+    if reference.dx.block_m < 64:
+        reference = dataclasses.replace(reference, dx=tuning.SM90_FEW_ROWS.dx)
+    if reference.panel.block_n < 128 or reference.panel.warp_specialized:
+        reference = dataclasses.replace(reference, panel=tuning.SM90_PANEL_FEW)
     names = ("dx", "dprobs", "dWg", "dWu", "dWd")
-    want = run(table)
+    want = run(reference)
     # A block the allocator hands back could still hold an earlier run's gradients.
     empty_like = torch.empty_like
 
@@ -822,17 +822,17 @@ def test_gluon_dw_gemm_on_gpu(S, H, E, K, I, edge, monkeypatch):
                 for n, stages, buffers in ((64, 6, 1), (128, 4, 1), (128, 3, 2), (256, 2, 1))
                 if I % n == 0]
     for panel in variants:
-        got = run(dataclasses.replace(table, panel=panel))
+        got = run(dataclasses.replace(reference, panel=panel))
         # First against the Triton kernel at the same width, so that a failure tells the
         # kernel from a width effect.
-        same_n = run(dataclasses.replace(table, panel=tuning.PanelGemmConfig(
+        same_n = run(dataclasses.replace(reference, panel=tuning.PanelGemmConfig(
             64, panel.block_n, 64, 4, 2)))
         for name, a, b in zip(names, got, same_n, strict=True):
             assert torch.equal(a, b), (edge, panel, "same N", name)
         del same_n
         if panel.block_n >= 128:
-            # The table's tiles are 128 or 256 wide; a 64-wide wgmma's bits against those
-            # were never measured (the 64-wide tile is checked against Triton's above).
+            # The reference's tiles are 128 or 256 wide; a 64-wide wgmma's bits against
+            # those were never measured (the 64-wide tile is checked against Triton's above).
             for name, a, b in zip(names, got, want, strict=True):
                 assert torch.equal(a, b), (edge, panel, name)
         del got

@@ -59,7 +59,6 @@ def sm90_compile_cases() -> list[CompileCase]:
         expert_forward_fp8_sm90,
         expert_forward_sm90,
         expert_panels_sm90,
-        panel_dw_sm90,
         router_backward,
         router_logits,
         row_keys,
@@ -69,7 +68,6 @@ def sm90_compile_cases() -> list[CompileCase]:
              *expert_forward_sm90.sm90_compile_cases(), *expert_forward_fp8.sm90_compile_cases(),
              *expert_forward_fp8_sm90.sm90_compile_cases(),
              *expert_backward.sm90_compile_cases(), *expert_panels_sm90.sm90_compile_cases(),
-             *panel_dw_sm90.sm90_compile_cases(128, 4, 1),
              *router_backward.sm90_compile_cases(),
              *row_keys.sm90_compile_cases()]
     # Tables whose rows share a tile list it once per row; each compile takes seconds of

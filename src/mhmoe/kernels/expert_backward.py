@@ -960,6 +960,8 @@ def sm90_compile_cases() -> list:
                  DOT_FP32=False, PRECISION="tf32"),
             w.num_warps, w.num_stages))
         cases += panel_dw_compile_cases(b.panel, x.block_m)
+        if b.panel.triton_fallback is not None:  # where the row's Gluon dW GEMM cannot run
+            cases += panel_dw_compile_cases(b.panel.triton_fallback, x.block_m)
     # dx from the panels (tuning.SM90_SPLIT): the dx kernel without its products, and
     # the panel dx GEMM.
     # Also with ExpertBackwardConfig.sigmoid_rcp (the inline reciprocal, every kernel's).
