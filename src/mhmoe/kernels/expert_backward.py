@@ -140,7 +140,6 @@ def _expert_dx_kernel(
     EVEN_D: tl.constexpr, EVEN_I: tl.constexpr, DETERMINISTIC: tl.constexpr,
     UPCAST: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
     PANELS: tl.constexpr, DX: tl.constexpr = True, RCP: tl.constexpr = False,
-    TRANSPOSED: tl.constexpr = False,
 ):
     """dx rows and dprobs of one tile of routes.
 
@@ -191,12 +190,7 @@ def _expert_dx_kernel(
         wg_ptrs = wg_ptr + f * D * I + d[:, None] * I + i[None, :]  # [BLOCK_D, BLOCK_I]
         wu_ptrs = wu_ptr + f * D * I + d[:, None] * I + i[None, :]
         wd_ptrs = wd_ptr + f * I * D + i[:, None] * D + d[None, :]  # [BLOCK_I, BLOCK_D]
-    if TRANSPOSED:
-        xt = tl.trans(x)
-        dyt = tl.trans(dy)
-        acc = tl.zeros([BLOCK_D, BLOCK_M], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     dprob = tl.zeros([BLOCK_M], dtype=tl.float32)
     for i0 in range(0, I, BLOCK_I):
         if USE_TMA:
@@ -219,45 +213,29 @@ def _expert_dx_kernel(
             wg = wg.to(tl.float32)
             wu = wu.to(tl.float32)
             wd = wd.to(tl.float32)
-        if TRANSPOSED:
-            g = tl.dot(tl.trans(wg), xt, input_precision=PRECISION)
-            u = tl.dot(tl.trans(wu), xt, input_precision=PRECISION)
-            t = tl.dot(wd, dyt, input_precision=PRECISION)
-            a, dg, du = _swiglu7_backward(g, u, t * p[None, :], RCP, UPCAST)
-        else:
-            g = tl.dot(x, wg, input_precision=PRECISION)
-            u = tl.dot(x, wu, input_precision=PRECISION)
-            t = tl.dot(dy, tl.trans(wd), input_precision=PRECISION)
-            a, dg, du = _swiglu7_backward(g, u, t * p[:, None], RCP, UPCAST)
+        g = tl.dot(x, wg, input_precision=PRECISION)
+        u = tl.dot(x, wu, input_precision=PRECISION)
+        t = tl.dot(dy, tl.trans(wd), input_precision=PRECISION)
+        a, dg, du = _swiglu7_backward(g, u, t * p[:, None], RCP, UPCAST)
         # The forward multiplied the activation rounded to the weight dtype.
         if UPCAST:
             a = round_fp32(a, w_dtype)
         else:
             a = a.to(w_dtype).to(tl.float32)
-        dprob += tl.sum(a * t, axis=0 if TRANSPOSED else 1)
+        dprob += tl.sum(a * t, axis=1)
         dg = _to_operand(dg, w_dtype, UPCAST, DOT_FP32)
         du = _to_operand(du, w_dtype, UPCAST, DOT_FP32)
         if PANELS:
             # The weight-gradient operands, rounded as `_dw_rows` rounds them.
-            i_ok = (i0 + i < I)[None, :]
+            ap = _to_operand(a * p[:, None], w_dtype, UPCAST, DOT_FP32)
             i_panel = prow[:, None] * I + (i0 + i)[None, :]
-            if TRANSPOSED:
-                ap = _to_operand(a * p[None, :], w_dtype, UPCAST, DOT_FP32)
-                tl.store(dgp_ptr + i_panel, tl.trans(dg.to(panel_dtype)), mask=i_ok)
-                tl.store(dup_ptr + i_panel, tl.trans(du.to(panel_dtype)), mask=i_ok)
-                tl.store(app_ptr + i_panel, tl.trans(ap.to(panel_dtype)), mask=i_ok)
-            else:
-                ap = _to_operand(a * p[:, None], w_dtype, UPCAST, DOT_FP32)
-                tl.store(dgp_ptr + i_panel, dg.to(panel_dtype), mask=i_ok)
-                tl.store(dup_ptr + i_panel, du.to(panel_dtype), mask=i_ok)
-                tl.store(app_ptr + i_panel, ap.to(panel_dtype), mask=i_ok)
+            i_ok = (i0 + i < I)[None, :]
+            tl.store(dgp_ptr + i_panel, dg.to(panel_dtype), mask=i_ok)
+            tl.store(dup_ptr + i_panel, du.to(panel_dtype), mask=i_ok)
+            tl.store(app_ptr + i_panel, ap.to(panel_dtype), mask=i_ok)
         if DX:
-            if TRANSPOSED:
-                acc = tl.dot(wg, dg, acc, input_precision=PRECISION)
-                acc = tl.dot(wu, du, acc, input_precision=PRECISION)
-            else:
-                acc = tl.dot(dg, tl.trans(wg), acc, input_precision=PRECISION)
-                acc = tl.dot(du, tl.trans(wu), acc, input_precision=PRECISION)
+            acc = tl.dot(dg, tl.trans(wg), acc, input_precision=PRECISION)
+            acc = tl.dot(du, tl.trans(wu), acc, input_precision=PRECISION)
         if not USE_TMA:
             wg_ptrs += BLOCK_I
             wu_ptrs += BLOCK_I
@@ -265,8 +243,6 @@ def _expert_dx_kernel(
 
     tl.store(dprobs_ptr + rows, dprob, mask=row_ok)
     if DX:
-        if TRANSPOSED:
-            acc = tl.trans(acc)
         combine_rows(dx_ptr, slot_ptr, acc, xy_ok, rows, row_ok, tokens, head, d, slot_base,
                      group_heads, first_head, D, DETERMINISTIC)
 
