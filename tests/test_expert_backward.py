@@ -407,12 +407,37 @@ def test_gluon_dw_gemm_asked_where_it_cannot_run(rng, monkeypatch):
         assert torch.equal(a, b), name
 
 
+def test_gluon_dw_gemm_after_dx_tiles_step_down(rng, monkeypatch):
+    # If the dx kernel steps its tiles down below the Gluon dW GEMM's heights after the
+    # fit check passed (out of resources at launch), the panel GEMMs run as the Triton
+    # kernel at the config's triton_fallback tiles, bitwise as those tiles asked for.
+    fallback = PanelGemmConfig(32, 64, 32, 4, 1)
+    ws = dataclasses.replace(BIG, panel=PanelGemmConfig(64, 64, 64, 4, 2, warp_specialized=True,
+                                                        triton_fallback=fallback))
+    assert ws.dx.block_m not in tuning.GLUON_DW_DX_ROWS  # the stepped-down tiles
+    problem = make_problem(rng, 5, 2, 3, 2, 64, 64)
+    want = run(*problem, config=dataclasses.replace(ws, panel=fallback))
+    monkeypatch.setattr(eb, "_gluon_dw_fits", lambda *a: True)  # as the check passed
+    ran = []
+    weight_gradients = eb._Panels.weight_gradients
+
+    def record(self, *args, **kwargs):
+        weight_gradients(self, *args, **kwargs)
+        ran.append(self.tiles)
+
+    monkeypatch.setattr(eb._Panels, "weight_gradients", record)
+    got = run(*problem, config=ws)
+    assert ran == [fallback]
+    for name, a, b in zip(NAMES, got, want, strict=True):
+        assert torch.equal(a, b), name
+
+
 def test_sm90_table_rows_fit_their_kernels():
     # The Gluon dW GEMM takes panels of 64- or 128-row dx tiles; a row that pairs it with
     # other dx tiles would raise where the row is named and fall back where it is not.
     for _, row in tuning.BACKWARD_SM90:
         if row.panel is not None and row.panel.warp_specialized:
-            assert row.dx.block_m in (64, 128), row
+            assert row.dx.block_m in tuning.GLUON_DW_DX_ROWS, row
             assert row.panel.triton_fallback is not None, row  # measured Triton tiles
 
 

@@ -482,13 +482,13 @@ def main(argv: list[str] | None = None) -> int:
     panel_tiles = None
     if args.panel_tiles is not None:
         try:
-            from mhmoe.kernels.tuning import PanelGemmConfig
+            from mhmoe.kernels.tuning import GLUON_DW_DX_ROWS, PanelGemmConfig
             panel_tiles = [PanelGemmConfig(*map(int, spec.split("/")))
                            for spec in args.panel_tiles.split(";")]
             for cfg in panel_tiles:
-                if cfg.warp_specialized and args.dx_rows not in (64, 128):
-                    raise ValueError("the Gluon dW GEMM takes dx tiles of 64 or 128 rows, "
-                                     f"got --dx-rows {args.dx_rows}")
+                if cfg.warp_specialized and args.dx_rows not in GLUON_DW_DX_ROWS:
+                    raise ValueError(f"the Gluon dW GEMM takes dx tiles of {GLUON_DW_DX_ROWS} "
+                                     f"rows, got --dx-rows {args.dx_rows}")
                 if args.dx_rows % min(cfg.block_k, args.dx_rows):
                     raise ValueError(f"block_k={cfg.block_k} must divide --dx-rows "
                                      f"{args.dx_rows} (or exceed it: then it is clamped "

@@ -565,6 +565,12 @@ class _Panels:
         """dWg, dWu, dWd of `experts` flat experts from `first_expert`, from the panels."""
         xp, dyp, dgp, dup, app = views
         d_gate, d_up, d_down = grads
+        if self.tiles.warp_specialized and block_m not in tuning.GLUON_DW_DX_ROWS:
+            # The dx kernel stepped its tiles down (out of resources) after `_gluon_dw_fits`
+            # passed them: the panels' padding no longer suits the Gluon kernel, so these
+            # GEMMs run as the Triton kernel, as where it cannot run at all.
+            self.tiles = self.tiles.triton_fallback or dataclasses.replace(
+                self.tiles, warp_specialized=False)
         for a, b, c in ((xp, dgp, d_gate), (xp, dup, d_up), (app, dyp, d_down)):
             M, N = a.shape[1], b.shape[1]
             if self.tiles.warp_specialized:
@@ -605,13 +611,13 @@ def _gluon_dw_fits(x_heads: torch.Tensor, w_down: torch.Tensor, dot_fp32: bool,
                    config: ExpertBackwardConfig) -> bool:
     """Whether `panel_dw_sm90` takes this backward's panels: an sm_90 GPU, bf16 panels and
     weight gradients, D and I multiples of 64 and of block_n, the dx kernel's tiles (the
-    panels' row padding) 64 or 128 rows."""
+    panels' row padding) of `tuning.GLUON_DW_DX_ROWS` rows."""
     D, I = w_down.shape[2], w_down.shape[1]
     n = config.panel.block_n
     return (on_sm90(x_heads)
             and not dot_fp32 and w_down.dtype == torch.bfloat16
             and D % 64 == 0 and I % 64 == 0 and D % n == 0 and I % n == 0
-            and config.dx.block_m in (64, 128))
+            and config.dx.block_m in tuning.GLUON_DW_DX_ROWS)
 
 
 def _panel_rows(S: int, H: int, R: int, E: int, heads: int, block_m: int,
@@ -847,8 +853,8 @@ def triton_expert_backward(
             raise ValueError(
                 "config.panel.warp_specialized needs an sm_90 GPU, bf16 operands, D and I "
                 f"multiples of 64 and of block_n ({config.panel.block_n}) and dx tiles of "
-                f"64 or 128 rows; got {x_heads.device}, {x_heads.dtype}/{w_down.dtype}, "
-                f"D={D}, I={I}, dx block_m {config.dx.block_m}")
+                f"{tuning.GLUON_DW_DX_ROWS} rows; got {x_heads.device}, "
+                f"{x_heads.dtype}/{w_down.dtype}, D={D}, I={I}, dx block_m {config.dx.block_m}")
         # A table's Gluon dW GEMM runs as the Triton kernel where it cannot run: at its
         # triton_fallback tiles, else at the same tiles (the same sums: tests/test_gpu.py
         # checks them bitwise).

@@ -750,6 +750,12 @@ SPLIT_WEIGHT_WARPS = 4
 
 # The expert backward (kernels/expert_backward.py).
 
+# The dx kernel's tile heights (the panels' row padding) at which the backward runs the
+# Gluon dW GEMM (kernels/panel_dw_sm90.py): it reduces in 64-row steps, so each expert's
+# panel rows must be whole steps, and these two are the heights the tables pair it with,
+# the SASS audit compiles and tests/test_gpu.py checks. Elsewhere it runs as Triton.
+GLUON_DW_DX_ROWS = (64, 128)
+
 # Bytes the panels of one launch group may take (see `expert_backward.py`): at
 # MAGI-2 dims and 32,768 tokens one head's panels are 1.86 GiB in bf16.
 PANEL_WORKSPACE_BYTES = 2 * 2**30
@@ -773,7 +779,7 @@ class PanelGemmConfig:
         a tile's bulk stores stay in flight while the next tile is staged.
     triton_fallback: with warp_specialized, the Triton tiles a table's config runs where
         the Gluon kernel cannot (not bf16, D or I not multiples of 64 and of block_n, dx
-        tiles not 64 or 128 rows); None: the same tiles in Triton.
+        tiles not of `GLUON_DW_DX_ROWS` rows); None: the same tiles in Triton.
     """
 
     block_m: int
