@@ -118,14 +118,7 @@ def rel_err(out, ref):
 def check(gen, S, H, E, K, D, I, dtype=torch.bfloat16, experts=None, config=BIG, wdtype=None,
           **kw):
     problem = make_problem(gen, S, H, E, K, D, I, dtype, experts, wdtype)
-    return check_problem(problem, config=config, **kw)
-
-
-def check_problem(problem, config=BIG, **kw):
-    """The kernel's gradients of `problem` (`make_problem`'s), checked against float64
-    and beside the PyTorch fp32 backward's error; returns them."""
     x, probs, indices, wg, wu, wd, dy = problem
-    dtype, E = x.dtype, wg.shape[0] // x.shape[1]
     grads = run(*problem, config=config, **kw)
     shapes = [x.shape, probs.shape, wg.shape, wu.shape, wd.shape]
     dtypes = [x.dtype, torch.float32, wg.dtype, wu.dtype, wd.dtype]
@@ -437,37 +430,6 @@ def test_gluon_dw_gemm_after_dx_tiles_step_down(rng, monkeypatch):
     assert ran == [fallback]
     for name, a, b in zip(NAMES, got, want, strict=True):
         assert torch.equal(a, b), name
-
-
-@pytest.mark.parametrize("deterministic", [False, True])
-def test_dw_in_dx_tiles_that_hold_their_expert(rng, deterministic):
-    # ExpertBackwardConfig.dw_in_dx: tiles holding all their expert's routes (1 to 32, the
-    # dx tiles' rows) write its weight gradients; experts of two tiles and experts
-    # without routes still come from the panel GEMMs. I = 48: a partial last slice.
-    x, probs, _, wg, wu, wd, dy = make_problem(rng, 40, 2, 4, 2, 32, 48)
-    s = torch.arange(40)
-    indices = torch.stack([
-        torch.stack([torch.zeros_like(s), torch.where(s < 39, 2, 1)], -1),  # 40 / 1 / 39 / 0
-        torch.stack([s % 4, (s + 1) % 4], -1),  # 20 routes each: one tile
-    ])
-    problem = (x, probs, indices, wg, wu, wd, dy)
-    owned = dataclasses.replace(BIG, dw_in_dx=True)
-    got = check_problem(problem, config=owned, deterministic=deterministic)
-    want = run(*problem, config=BIG, deterministic=deterministic)
-    for name, a, b in zip(NAMES[:2], got[:2], want[:2], strict=True):
-        assert torch.equal(a, b), name  # dx and dprobs: the same kernel's sums
-    for name, a, b in zip(NAMES[2:], got[2:], want[2:], strict=True):
-        assert rel_err(a, b) <= 2.0**-8, name  # the same sums, grouped otherwise
-    assert not got[2][3].any() and not got[4][3].any()  # head 0's expert 3: no routes
-
-
-def test_dw_in_dx_needs_triton_panels():
-    for bad in (dataclasses.replace(BIG, panel=None),
-                dataclasses.replace(BIG, panel=PanelGemmConfig(64, 64, 64, 4, 2,
-                                                               warp_specialized=True)),
-                dataclasses.replace(BIG, panel_dx=PanelDxConfig(32, 4, 1))):
-        with pytest.raises(ValueError, match="dw_in_dx needs panels with Triton dW"):
-            dataclasses.replace(bad, dw_in_dx=True)
 
 
 def test_sm90_table_rows_fit_their_kernels():

@@ -127,15 +127,6 @@ def _to_operand(v, dtype: tl.constexpr, UPCAST: tl.constexpr, DOT_FP32: tl.const
 
 
 @triton.jit
-def _store_dw(c_ptr, offs, acc, mask, UPCAST: tl.constexpr):
-    """Store fp32 sums `acc` into the weight gradient `c_ptr` in its dtype."""
-    c_dtype = c_ptr.dtype.element_ty
-    if UPCAST:
-        acc = round_fp32(acc, c_dtype)
-    tl.store(c_ptr + offs, acc.to(c_dtype), mask=mask)
-
-
-@triton.jit
 def _expert_dx_kernel(
     x_ptr, dy_ptr, H,  # x_heads, grad_y: contiguous [S, H, D]
     gather_ids_ptr, probs_ptr, offsets_ptr,  # the RouteLayout: [R], [R], [H*E + 1]
@@ -143,14 +134,12 @@ def _expert_dx_kernel(
     wg_ptr, wu_ptr, wd_ptr,  # [H*E, D, I], [H*E, D, I], [H*E, I, D]: pointers or TMA descriptors
     dx_ptr, slot_ptr, dprobs_ptr,  # dx: fp32 [S, G, D] or [G*S*K, D] (deterministic); [R]; [R]
     xp_ptr, dyp_ptr, dgp_ptr, dup_ptr, app_ptr,  # PANELS: [P, D], [P, D], [P, I] x 3
-    dwg_ptr, dwu_ptr, dwd_ptr,  # DW_IN_DX: the weight gradients, as the weights
     E, first_expert, num_experts, first_head, group_heads, slot_base,
     D: tl.constexpr, I: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, EVEN_I: tl.constexpr, DETERMINISTIC: tl.constexpr,
     UPCAST: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
     PANELS: tl.constexpr, DX: tl.constexpr = True, RCP: tl.constexpr = False,
-    DW_IN_DX: tl.constexpr = False,
 ):
     """dx rows and dprobs of one tile of routes.
 
@@ -167,9 +156,6 @@ def _expert_dx_kernel(
     DX=False (with PANELS): no dx (`_panel_dx_kernel` computes it from the panels): the
     program leaves out the dx products, their accumulator and the combine.
     RCP: `ExpertBackwardConfig.sigmoid_rcp`.
-    DW_IN_DX (with PANELS, `ExpertBackwardConfig.dw_in_dx`): a tile that holds all of its
-    expert's routes writes the expert's dW_gate, dW_up and dW_down slice by slice (fp32
-    sums over its rows in order, then the gradients' dtype) and no panel rows.
     """
     pid = tl.program_id(0)
     e = tl.load(tile_expert_ptr + pid)
@@ -192,21 +178,12 @@ def _expert_dx_kernel(
         x = x.to(tl.float32)
         dy = dy.to(tl.float32)
     p = tl.load(probs_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-    d_panel_ok = d_ok[None, :]
-    i_panel_ok = tl.full([1, BLOCK_I], True, tl.int1)
-    if DW_IN_DX:
-        # One owner of the expert's weight gradients: this tile when it holds all of the
-        # expert's routes (then it writes no panel rows), else the panel GEMMs.
-        count = tl.load(offsets_ptr + f + 1) - tl.load(offsets_ptr + f)
-        own_dw = count <= BLOCK_M
-        d_panel_ok = d_panel_ok & (count > BLOCK_M)
-        i_panel_ok = i_panel_ok & (count > BLOCK_M)
     if PANELS:
         # Masked rows loaded as zeros: the padding rows of the panels are zeros.
         panel_dtype = xp_ptr.dtype.element_ty
         xy_panel = prow[:, None] * D + d[None, :]
-        tl.store(xp_ptr + xy_panel, x.to(panel_dtype), mask=d_panel_ok)
-        tl.store(dyp_ptr + xy_panel, dy.to(panel_dtype), mask=d_panel_ok)
+        tl.store(xp_ptr + xy_panel, x.to(panel_dtype), mask=d_ok[None, :])
+        tl.store(dyp_ptr + xy_panel, dy.to(panel_dtype), mask=d_ok[None, :])
 
     i = tl.arange(0, BLOCK_I)
     if not USE_TMA:
@@ -252,23 +229,10 @@ def _expert_dx_kernel(
             # The weight-gradient operands, rounded as `_dw_rows` rounds them.
             ap = _to_operand(a * p[:, None], w_dtype, UPCAST, DOT_FP32)
             i_panel = prow[:, None] * I + (i0 + i)[None, :]
-            i_ok = (i0 + i < I)[None, :] & i_panel_ok
+            i_ok = (i0 + i < I)[None, :]
             tl.store(dgp_ptr + i_panel, dg.to(panel_dtype), mask=i_ok)
             tl.store(dup_ptr + i_panel, du.to(panel_dtype), mask=i_ok)
             tl.store(app_ptr + i_panel, ap.to(panel_dtype), mask=i_ok)
-            if DW_IN_DX:
-                if own_dw:
-                    # The panel GEMMs' sums over this expert's rows (padding rows are
-                    # zeros), taken here from the operands in registers.
-                    dw_ok = d_ok[:, None] & (i0 + i < I)[None, :]
-                    dw_offs = f * D * I + d[:, None] * I + (i0 + i)[None, :]
-                    _store_dw(dwg_ptr, dw_offs, tl.dot(tl.trans(x), dg, input_precision=PRECISION),
-                              dw_ok, UPCAST)
-                    _store_dw(dwu_ptr, dw_offs, tl.dot(tl.trans(x), du, input_precision=PRECISION),
-                              dw_ok, UPCAST)
-                    _store_dw(dwd_ptr, f * I * D + (i0 + i)[:, None] * D + d[None, :],
-                              tl.dot(tl.trans(ap), dy, input_precision=PRECISION),
-                              tl.trans(dw_ok), UPCAST)
         if DX:
             acc = tl.dot(dg, tl.trans(wg), acc, input_precision=PRECISION)
             acc = tl.dot(du, tl.trans(wu), acc, input_precision=PRECISION)
@@ -496,7 +460,6 @@ def _panel_dw_kernel(
     M: tl.constexpr, N: tl.constexpr, TILE_M: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
-    SKIP_OWNED: tl.constexpr = False,
 ):
     """C[f] = A_f^T B_f for the n experts of one panel group, one output tile a program.
 
@@ -510,8 +473,6 @@ def _panel_dw_kernel(
     element and a fixed order: deterministic. BLOCK_K divides TILE_M.
     USE_TMA: a_ptr, b_ptr are descriptors with blocks [BLOCK_K, BLOCK_M] and
     [BLOCK_K, BLOCK_N], whose bounds zero-fill columns past M or N.
-    SKIP_OWNED (`ExpertBackwardConfig.dw_in_dx`): experts with 1 to TILE_M routes are left
-    out; the dx kernel wrote their C.
     """
     NUM_M: tl.constexpr = (M + BLOCK_M - 1) // BLOCK_M
     NUM_N: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
@@ -521,9 +482,6 @@ def _panel_dw_kernel(
     n0 = pid % NUM_N * BLOCK_N
     f = (first_expert + e).to(tl.int64)
     routes = tl.load(offsets_ptr + f + 1) - tl.load(offsets_ptr + f)
-    if SKIP_OWNED:
-        if (routes > 0) & (routes <= TILE_M):
-            return
     row0 = tl.load(tile_first_ptr + e).to(tl.int64) * TILE_M
     steps = tl.cdiv(routes, TILE_M) * (TILE_M // BLOCK_K)
 
@@ -603,10 +561,8 @@ class _Panels:
         return tuple(t.view(rows, -1) for t in parts)
 
     def weight_gradients(self, views, tile_first, first_expert: int, experts: int, block_m: int,
-                         offsets, grads, dot_fp32: bool, precision: str, interpret: bool,
-                         skip_owned: bool = False):
-        """dWg, dWu, dWd of `experts` flat experts from `first_expert`, from the panels.
-        skip_owned: leave out the experts whose dx tile wrote them (`dw_in_dx`)."""
+                         offsets, grads, dot_fp32: bool, precision: str, interpret: bool):
+        """dWg, dWu, dWd of `experts` flat experts from `first_expert`, from the panels."""
         xp, dyp, dgp, dup, app = views
         d_gate, d_up, d_down = grads
         if self.tiles.warp_specialized and block_m not in tuning.GLUON_DW_DX_ROWS:
@@ -645,8 +601,7 @@ class _Panels:
                     M=M, N=N, TILE_M=block_m,
                     BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=block_k,
                     UPCAST=interpret, DOT_FP32=dot_fp32, PRECISION=precision,
-                    USE_TMA=use_tma, SKIP_OWNED=skip_owned, num_warps=t.num_warps,
-                    num_stages=t.num_stages,
+                    USE_TMA=use_tma, num_warps=t.num_warps, num_stages=t.num_stages,
                 )
 
             self.tiles = launch_with_step_down(launch, self.tiles, step_down_panel)
@@ -746,16 +701,14 @@ def _panel_dx(views, tile_expert, tile_first, gather_ids, offsets, w_gate, w_up,
 
 def _backward_dx(grad_y, x_heads, gather_ids, sorted_probs, offsets, w_gate, w_up, w_down,
                  dx, dprobs, tiles, deterministic, dot_fp32, precision, interpret,
-                 panels=None, grads=None, panel_dx=None, rcp=False, store_bytes=16,
-                 dw_in_dx=False) -> None:
+                 panels=None, grads=None, panel_dx=None, rcp=False, store_bytes=16) -> None:
     """dx and dprobs, in groups of heads whose fp32 workspace fits the forward's limits
     (and with `panels`, at most `panels.heads` heads, each launch followed by the
     weight gradients of its experts from the panels it wrote). With `panels` and
     `panel_dx` (a `PanelDxConfig`), the dx kernel leaves dx out and `_panel_dx_kernel`
     computes it from the panels. rcp, store_bytes: `ExpertBackwardConfig.sigmoid_rcp`
-    and `.panel_store_bytes`; dw_in_dx (with `panels`): `.dw_in_dx`."""
+    and `.panel_store_bytes`."""
     split = panels is not None and panel_dx is not None
-    dw_in_dx = dw_in_dx and panels is not None
     S, H, D = x_heads.shape
     F, _, I = w_gate.shape
     R = gather_ids.numel()
@@ -791,15 +744,12 @@ def _backward_dx(grad_y, x_heads, gather_ids, sorted_probs, offsets, w_gate, w_u
                 dx_ptr=out, slot_ptr=groups.slots, dprobs_ptr=dprobs,
                 xp_ptr=views[0], dyp_ptr=views[1], dgp_ptr=views[2], dup_ptr=views[3],
                 app_ptr=views[4],
-                dwg_ptr=grads[0] if dw_in_dx else dx, dwu_ptr=grads[1] if dw_in_dx else dx,
-                dwd_ptr=grads[2] if dw_in_dx else dx,
                 E=E, first_expert=h0 * E, num_experts=g * E, first_head=h0, group_heads=g,
                 slot_base=h0 * S * groups.K,
                 D=D, I=I, BLOCK_M=t.block_m, BLOCK_I=t.block_i, BLOCK_D=block_d,
                 EVEN_D=D == block_d, EVEN_I=I % t.block_i == 0, DETERMINISTIC=deterministic,
                 UPCAST=interpret, DOT_FP32=dot_fp32, PRECISION=precision, USE_TMA=use_tma,
-                PANELS=panels is not None, DX=not split, RCP=rcp, DW_IN_DX=dw_in_dx,
-                num_warps=t.num_warps,
+                PANELS=panels is not None, DX=not split, RCP=rcp, num_warps=t.num_warps,
                 num_stages=t.num_stages,
             )
             ran.update(views=views, tile_expert=tile_expert, tile_first=tile_first)
@@ -826,7 +776,7 @@ def _backward_dx(grad_y, x_heads, gather_ids, sorted_probs, offsets, w_gate, w_u
         if panels is not None:
             panels.weight_gradients(ran["views"], ran["tile_first"], h0 * E, g * E,
                                     tiles.block_m, offsets, grads, dot_fp32, precision,
-                                    interpret, skip_owned=dw_in_dx)
+                                    interpret)
         groups.finish(h0, g, out, interpret)
 
 
@@ -925,15 +875,13 @@ def triton_expert_backward(
     _backward_dx(grad_y, x_heads, gather_ids, sorted_probs, offsets, w_gate, w_up, w_down,
                  dx, dprobs, config.dx, deterministic, dot_fp32, precision, interpret,
                  panels, (d_gate, d_up, d_down), config.panel_dx, config.sigmoid_rcp,
-                 config.panel_store_bytes, config.dw_in_dx)
+                 config.panel_store_bytes)
     return dx, dprobs.to(sorted_probs.dtype), d_gate, d_up, d_down
 
 
-def dx_signature(D: int, block_i: int, dw_in_dx: bool = False) -> dict:
+def dx_signature(D: int, block_i: int) -> dict:
     """`_expert_dx_kernel`'s argument types as the launcher passes them on sm_90 (bf16, TMA
-    weight slices of block_i), for compiling it without a GPU; dw_in_dx: the weight
-    gradients' pointers (else dx stands in for them)."""
-    dw = "*bf16" if dw_in_dx else "*fp32"
+    weight slices of block_i), for compiling it without a GPU."""
     return {"x_ptr": "*bf16", "dy_ptr": "*bf16", "H": "i32", "gather_ids_ptr": "*i32",
             "probs_ptr": "*fp32", "offsets_ptr": "*i64", "tile_expert_ptr": "*i32",
             "tile_first_ptr": "*i32",
@@ -942,8 +890,7 @@ def dx_signature(D: int, block_i: int, dw_in_dx: bool = False) -> dict:
             "wd_ptr": f"tensordesc<bf16[1, {block_i}, {D}]>",
             "dx_ptr": "*fp32", "slot_ptr": "*i32", "dprobs_ptr": "*fp32",
             "xp_ptr": "*bf16", "dyp_ptr": "*bf16", "dgp_ptr": "*bf16",
-            "dup_ptr": "*bf16", "app_ptr": "*bf16", "dwg_ptr": dw, "dwu_ptr": dw,
-            "dwd_ptr": dw, "E": "i32", "first_expert": "i32",
+            "dup_ptr": "*bf16", "app_ptr": "*bf16", "E": "i32", "first_expert": "i32",
             "num_experts": "i32", "first_head": "i32", "group_heads": "i32",
             "slot_base": "i32"}
 
@@ -995,10 +942,10 @@ def sm90_compile_cases() -> list:
         if b not in rows:
             rows.append(b)
 
-    def dx_case(x, name, dw_in_dx=False, **constexprs):
+    def dx_case(x, name, **constexprs):
         return CompileCase(
             f"expert dx {x.block_m}/{x.block_i}/{x.num_warps}/{x.num_stages}{name}",
-            _expert_dx_kernel, dx_signature(D, x.block_i, dw_in_dx),
+            _expert_dx_kernel, dx_signature(D, x.block_i),
             dict(D=D, I=I, BLOCK_M=x.block_m, BLOCK_I=x.block_i, BLOCK_D=D, EVEN_D=True,
                  EVEN_I=I % x.block_i == 0, DETERMINISTIC=False, UPCAST=False,
                  DOT_FP32=False, PRECISION="tf32", USE_TMA=tma, **constexprs),
@@ -1007,8 +954,6 @@ def sm90_compile_cases() -> list:
     for b in rows:
         x = b.dx
         cases += [dx_case(x, " panels", PANELS=True), dx_case(x, "", PANELS=False)]
-        if b.dw_in_dx:
-            cases.append(dx_case(x, " panels dW", True, PANELS=True, DW_IN_DX=True))
         w = b.dw
         cases.append(CompileCase(
             f"expert dW {w.block_m}/{w.block_i}/{w.num_warps}/{w.num_stages}",

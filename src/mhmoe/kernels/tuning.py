@@ -897,12 +897,6 @@ class ExpertBackwardConfig:
         pairs swap one word a store by one shuffle, then 8-byte stores, fewer
         instructions); the values are the same. Only the Gluon kernel reads it.
     The measurements behind both: docs/expert-backward.md ("The panel kernel's window").
-    dw_in_dx: with panels (Triton dW GEMMs, dx in the dx kernel), a dx tile that holds all
-        of its expert's routes (at most dx.block_m) writes that expert's three weight
-        gradients itself, slice by slice, from the operands it has in registers, and no
-        panel rows; the panel GEMMs then run only for experts of several tiles and
-        experts without routes (zeros). Saves the panels' round trip through memory at
-        few rows an expert (docs/expert-backward.md, "Weight gradients in the dx kernel").
     """
 
     dx: ExpertForwardConfig
@@ -911,7 +905,6 @@ class ExpertBackwardConfig:
     panel_dx: PanelDxConfig | None = None
     sigmoid_rcp: bool = False
     panel_store_bytes: int = 16
-    dw_in_dx: bool = False
 
     def __post_init__(self) -> None:
         if self.panel_dx is not None and self.panel is None:
@@ -928,11 +921,6 @@ class ExpertBackwardConfig:
         if self.dx.sigmoid_rcp or self.dw.sigmoid_rcp:
             raise ValueError("ExpertBackwardConfig: the backward's reciprocal is its own "
                              "sigmoid_rcp, not its dx or dw tiles'")
-        if self.dw_in_dx and (self.panel is None or self.panel.warp_specialized
-                              or self.panel_dx is not None):
-            raise ValueError("ExpertBackwardConfig.dw_in_dx needs panels with Triton dW "
-                             "tiles (panel set, not warp_specialized) and dx in the dx "
-                             "kernel (panel_dx None)")
         if self.panel_store_bytes not in (8, 16):
             raise ValueError("ExpertBackwardConfig.panel_store_bytes must be 8 or 16, got "
                              f"{self.panel_store_bytes}")
