@@ -2,7 +2,7 @@
 
     PYTHONPATH=src python3 benchmarks/bench_expert_backward.py [--sizes 4096,32768]
         [--sweep "dx=m/i/w/s,dw=m/i/w/s,panel=m/n/k/w/s[/tma[/gws[/bufs]]]|none,
-                  pdx=i/w/s,ws=1,rcp=1,st=8,gu=1;..."]
+                  pdx=i/w/s,ws=1,rcp=1,st=8;..."]
         [--skip-checks] [--sweep-only]
         [--out OUT.json] [--no-record]
     PYTHONPATH=src python3 benchmarks/bench_expert_backward.py --cpu    (a dry run)
@@ -18,8 +18,7 @@ and mode (default / deterministic): the forward, the backward and forward+backwa
 panel=none: the recomputing dW kernel; gws=1: the Gluon dW GEMM with bufs staging tiles
 (`PanelGemmConfig.warp_specialized`, `store_buffers`); pdx: dx from the panels; ws=1
 with pdx: the Gluon panel kernel; rcp=1: the sigmoid's reciprocal, `sigmoid_rcp`; st=8:
-the Gluon kernel's 8-byte stores, `panel_store_bytes`; gu=1: g and u as one product in
-the dx kernel, `gu_join`), timed at the largest S in default
+the Gluon kernel's 8-byte stores, `panel_store_bytes`), timed at the largest S in default
 mode in shuffled interleaved rounds against the default tiles (`mhmoe.bench.interleaved`,
 docs/measuring.md), with the largest relative difference of their gradients from the
 default's; --sweep-only leaves out the per-size default and deterministic timings before
@@ -177,10 +176,10 @@ def time_size(st: Setup, S: int, gen, weights, det: bool) -> dict:
 
 def parse_config(spec: str, default: ExpertBackwardConfig) -> ExpertBackwardConfig:
     """'dx=m/i/w/s,dw=m/i/w/s,panel=m/n/k/w/s[/tma[/gws[/bufs]]],pdx=i/w/s[/tma],
-    ws=0|1,rcp=0|1,st=8|16,gu=0|1' over `default` (fields in the dataclasses' order,
-    booleans as 0/1); 'panel=none': recompute; gws, bufs: the Gluon dW GEMM; pdx: dx from
-    the panels (`PanelDxConfig`); ws=1: with pdx, the Gluon panel kernel
-    (dx.warp_specialized); rcp: `sigmoid_rcp`; st: `panel_store_bytes`; gu: `gu_join`."""
+    ws=0|1,rcp=0|1,st=8|16' over `default` (fields in the dataclasses' order, booleans
+    as 0/1); 'panel=none': recompute; gws, bufs: the Gluon dW GEMM; pdx: dx from the
+    panels (`PanelDxConfig`); ws=1: with pdx, the Gluon panel kernel
+    (dx.warp_specialized); rcp: `sigmoid_rcp`; st: `panel_store_bytes`."""
     tiles, ws = {}, None
     for part in spec.split(","):
         key, value = part.split("=")
@@ -188,8 +187,6 @@ def parse_config(spec: str, default: ExpertBackwardConfig) -> ExpertBackwardConf
             tiles["sigmoid_rcp"] = bool(int(value))
         elif key == "st":
             tiles["panel_store_bytes"] = int(value)
-        elif key == "gu":
-            tiles["gu_join"] = bool(int(value))
         elif key == "panel":
             tiles[key] = None if value == "none" else PanelGemmConfig(*map(int, value.split("/")))
         elif key == "pdx":

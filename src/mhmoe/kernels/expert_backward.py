@@ -140,7 +140,6 @@ def _expert_dx_kernel(
     EVEN_D: tl.constexpr, EVEN_I: tl.constexpr, DETERMINISTIC: tl.constexpr,
     UPCAST: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
     PANELS: tl.constexpr, DX: tl.constexpr = True, RCP: tl.constexpr = False,
-    GU_JOIN: tl.constexpr = False,
 ):
     """dx rows and dprobs of one tile of routes.
 
@@ -156,7 +155,7 @@ def _expert_dx_kernel(
     rows [t * BLOCK_M, (t + 1) * BLOCK_M), rows past the expert's end as zeros.
     DX=False (with PANELS): no dx (`_panel_dx_kernel` computes it from the panels): the
     program leaves out the dx products, their accumulator and the combine.
-    RCP: `ExpertBackwardConfig.sigmoid_rcp`; GU_JOIN: `ExpertBackwardConfig.gu_join`.
+    RCP: `ExpertBackwardConfig.sigmoid_rcp`.
     """
     pid = tl.program_id(0)
     e = tl.load(tile_expert_ptr + pid)
@@ -214,13 +213,8 @@ def _expert_dx_kernel(
             wg = wg.to(tl.float32)
             wu = wu.to(tl.float32)
             wd = wd.to(tl.float32)
-        if GU_JOIN:
-            gu = tl.dot(x, tl.join(wg, wu).reshape(BLOCK_D, 2 * BLOCK_I),
-                        input_precision=PRECISION)
-            g, u = gu.reshape(BLOCK_M, BLOCK_I, 2).split()
-        else:
-            g = tl.dot(x, wg, input_precision=PRECISION)
-            u = tl.dot(x, wu, input_precision=PRECISION)
+        g = tl.dot(x, wg, input_precision=PRECISION)
+        u = tl.dot(x, wu, input_precision=PRECISION)
         t = tl.dot(dy, tl.trans(wd), input_precision=PRECISION)
         a, dg, du = _swiglu7_backward(g, u, t * p[:, None], RCP, UPCAST)
         # The forward multiplied the activation rounded to the weight dtype.
@@ -707,14 +701,13 @@ def _panel_dx(views, tile_expert, tile_first, gather_ids, offsets, w_gate, w_up,
 
 def _backward_dx(grad_y, x_heads, gather_ids, sorted_probs, offsets, w_gate, w_up, w_down,
                  dx, dprobs, tiles, deterministic, dot_fp32, precision, interpret,
-                 panels=None, grads=None, panel_dx=None, rcp=False, store_bytes=16,
-                 gu_join=False) -> None:
+                 panels=None, grads=None, panel_dx=None, rcp=False, store_bytes=16) -> None:
     """dx and dprobs, in groups of heads whose fp32 workspace fits the forward's limits
     (and with `panels`, at most `panels.heads` heads, each launch followed by the
     weight gradients of its experts from the panels it wrote). With `panels` and
     `panel_dx` (a `PanelDxConfig`), the dx kernel leaves dx out and `_panel_dx_kernel`
     computes it from the panels. rcp, store_bytes: `ExpertBackwardConfig.sigmoid_rcp`
-    and `.panel_store_bytes`; gu_join: `.gu_join`."""
+    and `.panel_store_bytes`."""
     split = panels is not None and panel_dx is not None
     S, H, D = x_heads.shape
     F, _, I = w_gate.shape
@@ -756,8 +749,7 @@ def _backward_dx(grad_y, x_heads, gather_ids, sorted_probs, offsets, w_gate, w_u
                 D=D, I=I, BLOCK_M=t.block_m, BLOCK_I=t.block_i, BLOCK_D=block_d,
                 EVEN_D=D == block_d, EVEN_I=I % t.block_i == 0, DETERMINISTIC=deterministic,
                 UPCAST=interpret, DOT_FP32=dot_fp32, PRECISION=precision, USE_TMA=use_tma,
-                PANELS=panels is not None, DX=not split, RCP=rcp, GU_JOIN=gu_join,
-                num_warps=t.num_warps,
+                PANELS=panels is not None, DX=not split, RCP=rcp, num_warps=t.num_warps,
                 num_stages=t.num_stages,
             )
             ran.update(views=views, tile_expert=tile_expert, tile_first=tile_first)
@@ -883,7 +875,7 @@ def triton_expert_backward(
     _backward_dx(grad_y, x_heads, gather_ids, sorted_probs, offsets, w_gate, w_up, w_down,
                  dx, dprobs, config.dx, deterministic, dot_fp32, precision, interpret,
                  panels, (d_gate, d_up, d_down), config.panel_dx, config.sigmoid_rcp,
-                 config.panel_store_bytes, config.gu_join)
+                 config.panel_store_bytes)
     return dx, dprobs.to(sorted_probs.dtype), d_gate, d_up, d_down
 
 

@@ -897,9 +897,6 @@ class ExpertBackwardConfig:
         pairs swap one word a store by one shuffle, then 8-byte stores, fewer
         instructions); the values are the same. Only the Gluon kernel reads it.
     The measurements behind both: docs/expert-backward.md ("The panel kernel's window").
-    gu_join: the Triton dx kernel computes g and u as one product, x [W_gate | W_up] with
-        the two weight slices' columns interleaved (tl.join), so x is read from shared
-        memory once a slice for both, by wgmmas twice as wide; the same sums.
     """
 
     dx: ExpertForwardConfig
@@ -908,7 +905,6 @@ class ExpertBackwardConfig:
     panel_dx: PanelDxConfig | None = None
     sigmoid_rcp: bool = False
     panel_store_bytes: int = 16
-    gu_join: bool = False
 
     def __post_init__(self) -> None:
         if self.panel_dx is not None and self.panel is None:
