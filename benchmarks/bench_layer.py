@@ -2,7 +2,7 @@
 
     PYTHONPATH=src python3 benchmarks/bench_layer.py [--tokens 1024,32768] [--no-record]
         [--routing uniform,skewed,hot]
-    PYTHONPATH=src python3 benchmarks/bench_layer.py --profile 32768
+    PYTHONPATH=src python3 benchmarks/bench_layer.py --profile 32768 [--routing hot]
 
 For each token count: the published-style routing and layout (fp32 logits,
 sigmoid, bias, torch.topk, normalisation, argsort + bincount), our routing
@@ -15,7 +15,8 @@ beyond its inputs, the parameters and the gradients. `--routing` adds skewed rou
 expert per head takes every token of its head), timed for the layer forward and
 forward+backward (eager, default mode). The bf16 8192^3 matmul and a device
 copy are measured in the same run. `--profile S` instead prints torch.profiler's table of
-the GPU kernels of forward+backward at S tokens (where the time goes; nothing recorded).
+the GPU kernels of forward+backward at S tokens, routed as the one --routing given (where
+the time goes; nothing recorded).
 Medians of `do_bench` (mhmoe.bench.bench_ms).
 Rows go to benchmarks/results.jsonl unless --no-record; --out also writes the
 run as one JSON file.
@@ -213,8 +214,10 @@ ROWS = (
 )
 
 
-def profile(layer, S: int, device: torch.device, steps: int = 3) -> None:
-    """torch.profiler's per-kernel table of `steps` forward+backward passes at S tokens."""
+def profile(layer, S: int, device: torch.device, routing: str = "uniform",
+            steps: int = 3) -> None:
+    """torch.profiler's per-kernel table of `steps` forward+backward passes at S tokens,
+    routed as `routing` says (`skew_router`)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -222,6 +225,7 @@ def profile(layer, S: int, device: torch.device, steps: int = 3) -> None:
     gen = torch.Generator(device=device).manual_seed(S)
     x = torch.randn(S, cfg.hidden_size, device=device, generator=gen).bfloat16()
     dy = torch.randn(S, cfg.hidden_size, device=device, generator=gen).bfloat16()
+    share = skew_router(layer, routing, x.view(S, cfg.num_heads, cfg.head_dim))
     params = [p for p in layer.parameters() if p.requires_grad]
     xg = x.clone().requires_grad_(True)
 
@@ -234,7 +238,9 @@ def profile(layer, S: int, device: torch.device, steps: int = 3) -> None:
         for _ in range(steps):
             fwd_bwd()
         torch.cuda.synchronize(device)
-    print(f"S={S}: forward+backward x {steps}, GPU kernels by total time")
+    favoured = "" if routing == "uniform" else f", favoured experts {share:.1%} of the routes"
+    print(f"S={S}, {routing} routing{favoured}: forward+backward x {steps}, GPU kernels by "
+          "total time")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30,
                                     max_name_column_width=70))
 
@@ -248,7 +254,7 @@ def main() -> int:
     parser.add_argument("--out", default=None, help="also write the run as one JSON file")
     parser.add_argument("--profile", type=int, default=None, metavar="S",
                         help="print the profiler's kernel table of forward+backward at S "
-                        "tokens and exit")
+                        "tokens (routed as --routing says, one routing) and exit")
     parser.add_argument("--no-record", action="store_true",
                         help="do not append rows to benchmarks/results.jsonl")
     args = parser.parse_args()
@@ -264,7 +270,9 @@ def main() -> int:
     device = torch.device("cuda")
     layer = magi2_layer(device)
     if args.profile:
-        profile(layer, args.profile, device)
+        if len(routings) != 1:
+            parser.error("--profile takes one --routing")
+        profile(layer, args.profile, device, routings[0])
         return 0
     cfg = layer.config
     env = environment(device)

@@ -407,13 +407,19 @@ def test_gluon_dw_gemm_asked_where_it_cannot_run(rng, monkeypatch):
         assert torch.equal(a, b), name
 
 
-def test_gluon_dw_gemm_after_dx_tiles_step_down(rng, monkeypatch):
+@pytest.mark.parametrize("named_fallback", [True, False])
+def test_gluon_dw_gemm_after_dx_tiles_step_down(rng, monkeypatch, named_fallback):
     # If the dx kernel steps its tiles down below the Gluon dW GEMM's heights after the
     # fit check passed (out of resources at launch), the panel GEMMs run as the Triton
-    # kernel at the config's triton_fallback tiles, bitwise as those tiles asked for.
-    fallback = PanelGemmConfig(32, 64, 32, 4, 1)
-    ws = dataclasses.replace(BIG, panel=PanelGemmConfig(64, 64, 64, 4, 2, warp_specialized=True,
-                                                        triton_fallback=fallback))
+    # kernel at the config's triton_fallback tiles (else at its own tiles), bitwise as
+    # those tiles asked for.
+    ws_tiles = PanelGemmConfig(64, 64, 64, 4, 2, warp_specialized=True)
+    if named_fallback:
+        fallback = PanelGemmConfig(32, 64, 32, 4, 1)
+        ws_tiles = dataclasses.replace(ws_tiles, triton_fallback=fallback)
+    else:
+        fallback = dataclasses.replace(ws_tiles, warp_specialized=False)
+    ws = dataclasses.replace(BIG, panel=ws_tiles)
     assert ws.dx.block_m not in tuning.GLUON_DW_DX_ROWS  # the stepped-down tiles
     problem = make_problem(rng, 5, 2, 3, 2, 64, 64)
     want = run(*problem, config=dataclasses.replace(ws, panel=fallback))
@@ -435,6 +441,9 @@ def test_gluon_dw_gemm_after_dx_tiles_step_down(rng, monkeypatch):
 def test_sm90_table_rows_fit_their_kernels():
     # The Gluon dW GEMM takes panels of 64- or 128-row dx tiles; a row that pairs it with
     # other dx tiles would raise where the row is named and fall back where it is not.
+    # Its named config (off in the table since 2026-12-06) keeps measured Triton tiles.
+    assert tuning.SM90_PANEL_FEW_WS.warp_specialized
+    assert tuning.SM90_PANEL_FEW_WS.triton_fallback is not None
     for _, row in tuning.BACKWARD_SM90:
         if row.panel is not None and row.panel.warp_specialized:
             assert row.dx.block_m in tuning.GLUON_DW_DX_ROWS, row

@@ -802,7 +802,7 @@ def test_gluon_dw_gemm_on_gpu(S, H, E, K, I, edge, monkeypatch):
     # rows (the Gluon kernel takes panels of 64- and 128-row tiles) and the Triton dW tile
     # 64/128 where the table's is narrower or the Gluon kernel.
     reference = tuning.expert_backward_config(x.device, layout.gather_ids.numel() / (H * E))
-    if reference.dx.block_m < 64:
+    if reference.dx.block_m not in tuning.GLUON_DW_DX_ROWS:
         reference = dataclasses.replace(reference, dx=tuning.SM90_FEW_ROWS.dx)
     if reference.panel.block_n < 128 or reference.panel.warp_specialized:
         reference = dataclasses.replace(reference, panel=tuning.SM90_PANEL_FEW)

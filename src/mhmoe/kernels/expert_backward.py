@@ -968,6 +968,11 @@ def sm90_compile_cases() -> list:
         cases += panel_dw_compile_cases(b.panel, x.block_m)
         if b.panel.triton_fallback is not None:  # where the row's Gluon dW GEMM cannot run
             cases += panel_dw_compile_cases(b.panel.triton_fallback, x.block_m)
+    # The Gluon dW GEMM, off in the table (tuning.SM90_PANEL_FEW_WS says why), at its named
+    # tiles and the dx heights tests/test_gpu.py checks, so that a kernel that stops
+    # compiling fails here.
+    for rows in tuning.GLUON_DW_DX_ROWS:
+        cases += panel_dw_compile_cases(tuning.SM90_PANEL_FEW_WS, rows)
     # dx from the panels (tuning.SM90_SPLIT): the dx kernel without its products, and
     # the panel dx GEMM.
     # Also with ExpertBackwardConfig.sigmoid_rcp (the inline reciprocal, every kernel's).

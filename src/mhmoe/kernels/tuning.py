@@ -752,8 +752,9 @@ SPLIT_WEIGHT_WARPS = 4
 
 # The dx kernel's tile heights (the panels' row padding) at which the backward runs the
 # Gluon dW GEMM (kernels/panel_dw_sm90.py): it reduces in 64-row steps, so each expert's
-# panel rows must be whole steps, and these two are the heights the tables pair it with,
-# the SASS audit compiles and tests/test_gpu.py checks. Elsewhere it runs as Triton.
+# panel rows must be whole steps, and these two are the heights the SASS audit compiles it
+# at and tests/test_gpu.py checks, so the only ones a table may pair it with. Elsewhere it
+# runs as Triton.
 GLUON_DW_DX_ROWS = (64, 128)
 
 # Bytes the panels of one launch group may take (see `expert_backward.py`): at
@@ -955,8 +956,14 @@ SM90_SPLIT = dataclasses.replace(SM90_FUSED, panel_dx=SM90_PANEL_DX)
 SM90_SPLIT_WS = dataclasses.replace(
     SM90_SPLIT, dx=dataclasses.replace(SM90_SPLIT.dx, warp_specialized=True),
     sigmoid_rcp=True, panel_store_bytes=8)
-# The Gluon dW GEMM (kernels/panel_dw_sm90.py) at 64/64 tiles and six stages, where the
-# dx kernel's tiles are 128 rows; where it cannot run, the Triton tiles measured there.
+# The Gluon dW GEMM (kernels/panel_dw_sm90.py) at its best measured tiles, 64/64 and six
+# stages (with 128-row dx tiles; where it cannot run, the Triton tiles measured there).
+# Off in the table: 2-3% faster than SM90_PANEL_FEW with uniform routing, but its
+# persistent programs take their tiles in a fixed order, so with one hot expert a head
+# (4,096 routes: tiles of 64 steps among tiles of 2) the programs that drew its tiles
+# finish last: forward+backward 1.17x uniform routing's time at 4,096 tokens against
+# 1.01x with the Triton tiles, whose programs the hardware schedules as SMs free up
+# (docs/expert-backward.md, "Skewed routing and the Gluon dW GEMM").
 SM90_PANEL_FEW_WS = PanelGemmConfig(64, 64, 64, 4, 6, warp_specialized=True,
                                     triton_fallback=SM90_PANEL_FEW)
 # At few rows an expert the dx kernel pads each expert's routes to whole tiles, so the
@@ -970,7 +977,7 @@ SM90_FEW_ROWS = ExpertBackwardConfig(dx=ExpertForwardConfig(64, 32, 4, 3),
 BACKWARD_SM90 = (
     (28.0, dataclasses.replace(SM90_FEW_ROWS, dx=ExpertForwardConfig(32, 32, 4, 4))),
     (64.0, SM90_FEW_ROWS),
-    (192.0, dataclasses.replace(SM90_FUSED, panel=SM90_PANEL_FEW_WS)),
+    (192.0, dataclasses.replace(SM90_FUSED, panel=SM90_PANEL_FEW)),
     (float("inf"), SM90_SPLIT_WS),
 )
 # float32 operands (fp32 weights, or mixed dtypes): twice the shared memory per
