@@ -3,7 +3,7 @@
     PYTHONPATH=src python3 benchmarks/bench_expert_backward.py [--sizes 4096,32768]
         [--sweep "dx=m/i/w/s,dw=m/i/w/s,panel=m/n/k/w/s[/tma[/gws[/bufs]]]|none,
                   pdx=i/w/s,ws=1,rcp=1,st=8;..."]
-        [--skip-checks] [--sweep-only]
+        [--skip-checks] [--sweep-only] [--routing uniform|skewed|hot]
         [--out OUT.json] [--no-record]
     PYTHONPATH=src python3 benchmarks/bench_expert_backward.py --cpu    (a dry run)
 
@@ -30,7 +30,10 @@ forward+backward as three times, as the peer kernels report them. Rows
 "expert_fwd_bwd", variant "default", "deterministic" or "sweep:<config>"; they go to
 benchmarks/results.jsonl unless --no-record; --out also writes the whole run
 (environment, peaks, checks, rows) as one JSON file. --cpu: the same steps under the
-Triton interpreter at toy dims (numbers meaningless, nothing recorded).
+Triton interpreter at toy dims (numbers meaningless, nothing recorded). --routing: the
+routes every step draws (`route_scores`; uniform by default), recorded in each row's
+shape: a tile table is chosen on uniform routes and must hold up on skewed and hot ones
+(docs/expert-backward.md, "Skewed routing and the Gluon dW GEMM").
 """
 
 from __future__ import annotations
@@ -89,6 +92,7 @@ class Setup:
     device: str = "cuda"
     sizes: tuple = (4096, 32768)
     check_s: int = 4096
+    routing: str = "uniform"
 
 
 CPU_SETUP = Setup(H=2, E=8, K=2, D=32, I=64, device="cpu", sizes=(48,), check_s=48)
@@ -107,12 +111,39 @@ def make_weights(st: Setup, gen: torch.Generator):
         torch.randn(F, st.I, st.D, device=st.device, generator=gen).mul_(st.I**-0.5).bfloat16())
 
 
+ROUTINGS = ("uniform", "skewed", "hot")
+
+
+def route_scores(st: Setup, S: int, gen: torch.Generator) -> torch.Tensor:
+    """[H, S, E] scores whose top K are the routes, as `st.routing` says: uniform, every
+    expert alike; skewed, a fixed quarter of each head's experts take half of the routes
+    (one bias on their scores, found by bisection); hot, expert 0 of every head takes
+    every token of its head. bench_layer.py's `skew_router` skews the layer's router so."""
+    scores = torch.rand(st.H, S, st.E, device=st.device, generator=gen)
+    if st.routing == "hot":
+        scores[:, :, 0] += 1.0  # above every other score, which lie in [0, 1)
+    elif st.routing == "skewed":
+        favoured = torch.randperm(st.E, generator=torch.Generator().manual_seed(0))
+        favoured = favoured[:st.E // 4].to(st.device)
+        lo, hi = 0.0, 1.0
+        for _ in range(20):
+            bias = (lo + hi) / 2
+            picks = scores.index_add(2, favoured, torch.full_like(scores[:, :, favoured], bias))
+            picks = picks.topk(st.K, dim=-1).indices
+            if torch.isin(picks, favoured).float().mean().item() < 0.5:
+                lo = bias
+            else:
+                hi = bias
+        scores.index_add_(2, favoured, torch.full_like(scores[:, :, favoured], hi))
+    return scores
+
+
 def make_problem(st: Setup, S: int, gen: torch.Generator):
-    """Random bf16 x and dy, uniform random top-K routing (never zeros), its layout."""
+    """Random bf16 x and dy, random top-K routing as `st.routing` says (`route_scores`;
+    probabilities never zero), its layout."""
     x = torch.randn(S, st.H, st.D, device=st.device, generator=gen).bfloat16()
     dy = torch.randn(S, st.H, st.D, device=st.device, generator=gen).bfloat16()
-    scores = torch.rand(st.H, S, st.E, device=st.device, generator=gen)
-    indices = scores.topk(st.K, dim=-1).indices
+    indices = route_scores(st, S, gen).topk(st.K, dim=-1).indices
     probs = torch.rand(st.H, S, st.K, device=st.device, generator=gen) + 0.1
     probs = probs / probs.sum(-1, keepdim=True)
     return x, dy, mhmoe.sort_routes(probs, indices, st.E)
@@ -242,6 +273,9 @@ def main() -> int:
     parser.add_argument("--sweep", default="",
                         help="'dx=m/i/w/s,dw=m/i/w/s,panel=m/n/k/w/s|none;...' at the largest S")
     parser.add_argument("--skip-checks", action="store_true")
+    parser.add_argument("--routing", default="uniform", choices=ROUTINGS,
+                        help="the routes: uniform, skewed (a quarter of the experts take "
+                        "half of them) or hot (one expert a head takes every token)")
     parser.add_argument("--sweep-only", action="store_true",
                         help="time only the --sweep (at the largest S), not each mode per S")
     parser.add_argument("--out", default=None, help="also write the run as one JSON file")
@@ -252,7 +286,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.sweep_only and not args.sweep:
         parser.error("--sweep-only needs --sweep")
-    st = CPU_SETUP if args.cpu else Setup()
+    st = dataclasses.replace(CPU_SETUP if args.cpu else Setup(), routing=args.routing)
     if args.sizes:
         st = dataclasses.replace(st, sizes=tuple(int(s) for s in args.sizes.split(",")))
     if args.out:
@@ -267,7 +301,7 @@ def main() -> int:
     found = {} if args.skip_checks else checks(st, gen, weights)
     if found:
         print("checks", json.dumps(found), flush=True)
-    shape = dict(H=st.H, E=st.E, K=st.K, D=st.D, I=st.I)
+    shape = dict(H=st.H, E=st.E, K=st.K, D=st.D, I=st.I, routing=st.routing)
     rows, table = [], []
     command = script_command("bench_expert_backward.py", sys.argv[1:])
     for S in () if args.sweep_only else st.sizes:

@@ -61,3 +61,27 @@ def test_write_results_and_plot(tmp_path):
     png = tmp_path / "r" / "bench.png"
     plot_results(png, rows=rows, peaks={"matmul_tflops": 700.0}, title="test")
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("routing", ["uniform", "skewed", "hot"])
+def test_expert_backward_benchmark_routings(routing):
+    # bench_expert_backward.py --routing: the share of the routes the favoured experts take,
+    # counted here from the top-K picks of its scores.
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_expert_backward as beb
+
+    st = beb.Setup(H=2, E=16, K=2, D=16, I=16, device="cpu", routing=routing)
+    S = 2000
+    picks = beb.route_scores(st, S, torch.Generator().manual_seed(3)).topk(st.K, -1).indices
+    counts = torch.bincount(picks.flatten(), minlength=st.E).double() / picks.numel()
+    if routing == "hot":
+        assert (picks == 0).any(-1).all()  # expert 0 in every token's picks, each head
+        assert counts[0] == pytest.approx(1 / st.K)
+    elif routing == "skewed":
+        favoured = torch.randperm(st.E, generator=torch.Generator().manual_seed(0))[:st.E // 4]
+        assert counts[favoured].sum().item() == pytest.approx(0.5, abs=0.01)
+    else:
+        assert counts.max().item() < 1.5 / st.E and counts.min().item() > 0.5 / st.E
