@@ -470,6 +470,12 @@ def test_gluon_dw_gemm_config_checks():
     with pytest.raises(ValueError, match="triton_fallback"):
         PanelGemmConfig(64, 128, 64, 4, 2, warp_specialized=True,
                         triton_fallback=dataclasses.replace(triton, warp_specialized=True))
+    # as_triton: the tiles run where the Gluon kernel cannot.
+    assert triton.as_triton() is triton
+    assert PanelGemmConfig(64, 64, 64, 4, 6, warp_specialized=True,
+                           triton_fallback=triton).as_triton() == triton
+    assert PanelGemmConfig(64, 64, 64, 4, 6, warp_specialized=True).as_triton() == \
+        PanelGemmConfig(64, 64, 64, 4, 6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -569,8 +569,7 @@ class _Panels:
             # The dx kernel stepped its tiles down (out of resources) after `_gluon_dw_fits`
             # passed them: the panels' padding no longer suits the Gluon kernel, so these
             # GEMMs run as the Triton kernel, as where it cannot run at all.
-            self.tiles = self.tiles.triton_fallback or dataclasses.replace(
-                self.tiles, warp_specialized=False)
+            self.tiles = self.tiles.as_triton()
         for a, b, c in ((xp, dgp, d_gate), (xp, dup, d_up), (app, dyp, d_down)):
             M, N = a.shape[1], b.shape[1]
             if self.tiles.warp_specialized:
@@ -858,8 +857,7 @@ def triton_expert_backward(
         # A table's Gluon dW GEMM runs as the Triton kernel where it cannot run: at its
         # triton_fallback tiles, else at the same tiles (the same sums: tests/test_gpu.py
         # checks them bitwise).
-        config = dataclasses.replace(config, panel=config.panel.triton_fallback or
-                                     dataclasses.replace(config.panel, warp_specialized=False))
+        config = dataclasses.replace(config, panel=config.panel.as_triton())
     split_forced = forced and config.panel_dx is not None
     panels = _Panels.plan(config, x_heads, R, F, I, dot_fp32, w_down.dtype,
                           warn=not split_forced)

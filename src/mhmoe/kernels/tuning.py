@@ -820,6 +820,14 @@ class PanelGemmConfig:
                                  f"memory, more than sm_90's {_SMEM_BYTES[(9, 0)]} less 1 KB "
                                  "for its barriers")
 
+    def as_triton(self) -> PanelGemmConfig:
+        """The Triton tiles this config runs where its Gluon kernel cannot (or where the
+        dx tiles step down below `GLUON_DW_DX_ROWS`): triton_fallback, else the same
+        tiles; a Triton config is itself."""
+        if not self.warp_specialized:
+            return self
+        return self.triton_fallback or dataclasses.replace(self, warp_specialized=False)
+
     def shared_bytes(self) -> int:
         """The Gluon kernel's shared memory (warp_specialized): for each of the two
         consumers num_stages stages of a [64, 64] A box and a [64, block_n] B tile, and
