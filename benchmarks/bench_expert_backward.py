@@ -3,7 +3,7 @@
     PYTHONPATH=src python3 benchmarks/bench_expert_backward.py [--sizes 4096,32768]
         [--sweep "dx=m/i/w/s,dw=m/i/w/s,panel=m/n/k/w/s[/tma[/gws[/bufs]]]|none,
                   pdx=i/w/s,ws=1,rcp=1,st=8;..."]
-        [--skip-checks] [--sweep-only] [--routing uniform|skewed|hot]
+        [--skip-checks] [--sweep-only] [--routing uniform|skewed|hot|hot-last]
         [--out OUT.json] [--no-record]
     PYTHONPATH=src python3 benchmarks/bench_expert_backward.py --cpu    (a dry run)
 
@@ -111,17 +111,20 @@ def make_weights(st: Setup, gen: torch.Generator):
         torch.randn(F, st.I, st.D, device=st.device, generator=gen).mul_(st.I**-0.5).bfloat16())
 
 
-ROUTINGS = ("uniform", "skewed", "hot")
+ROUTINGS = ("uniform", "skewed", "hot", "hot-last")
 
 
 def route_scores(st: Setup, S: int, gen: torch.Generator) -> torch.Tensor:
     """[H, S, E] scores whose top K are the routes, as `st.routing` says: uniform, every
     expert alike; skewed, a fixed quarter of each head's experts take half of the routes
     (one bias on their scores, found by bisection); hot, expert 0 of every head takes
-    every token of its head. bench_layer.py's `skew_router` skews the layer's router so."""
+    every token of its head; hot-last, the head's last expert does (its tiles come last
+    in the kernels' tile orders). bench_layer.py's `skew_router` skews the layer's router
+    so."""
     scores = torch.rand(st.H, S, st.E, device=st.device, generator=gen)
-    if st.routing == "hot":
-        scores[:, :, 0] += 1.0  # above every other score, which lie in [0, 1)
+    if st.routing in ("hot", "hot-last"):
+        hot = 0 if st.routing == "hot" else st.E - 1
+        scores[:, :, hot] += 1.0  # above every other score, which lie in [0, 1)
     elif st.routing == "skewed":
         favoured = torch.randperm(st.E, generator=torch.Generator().manual_seed(0))
         favoured = favoured[:st.E // 4].to(st.device)
@@ -275,7 +278,8 @@ def main() -> int:
     parser.add_argument("--skip-checks", action="store_true")
     parser.add_argument("--routing", default="uniform", choices=ROUTINGS,
                         help="the routes: uniform, skewed (a quarter of the experts take "
-                        "half of them) or hot (one expert a head takes every token)")
+                        "half of them), hot or hot-last (the first or the last expert of "
+                        "each head takes every token)")
     parser.add_argument("--sweep-only", action="store_true",
                         help="time only the --sweep (at the largest S), not each mode per S")
     parser.add_argument("--out", default=None, help="also write the run as one JSON file")

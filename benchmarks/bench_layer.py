@@ -1,7 +1,7 @@
 """The whole MultiHeadMoE on one GPU: routing + layout + experts, forward and backward.
 
     PYTHONPATH=src python3 benchmarks/bench_layer.py [--tokens 1024,32768] [--no-record]
-        [--routing uniform,skewed,hot]
+        [--routing uniform,skewed,hot,hot-last]
     PYTHONPATH=src python3 benchmarks/bench_layer.py --profile 32768 [--routing hot]
 
 For each token count: the published-style routing and layout (fp32 logits,
@@ -12,7 +12,8 @@ the whole layer forward (eager and from a CUDA graph) and forward+backward
 graph), in default and deterministic mode, with the memory forward+backward takes
 beyond its inputs, the parameters and the gradients. `--routing` adds skewed routes
 (`skew_router`: a quarter of each head's experts take half of its routes; one hot
-expert per head takes every token of its head), timed for the layer forward and
+expert per head, its first or with hot-last its last, takes every token of its head),
+timed for the layer forward and
 forward+backward (eager, default mode). The bf16 8192^3 matmul and a device
 copy are measured in the same run. `--profile S` instead prints torch.profiler's table of
 the GPU kernels of forward+backward at S tokens, routed as the one --routing given (where
@@ -75,7 +76,7 @@ def magi2_layer(device: torch.device) -> mhmoe.MultiHeadMoE:
     return layer
 
 
-ROUTINGS = ("uniform", "skewed", "hot")
+ROUTINGS = ("uniform", "skewed", "hot", "hot-last")
 
 
 def route_share(layer, x_heads: torch.Tensor, experts: torch.Tensor) -> float:
@@ -93,6 +94,8 @@ def skew_router(layer, routing: str, x_heads: torch.Tensor) -> float:
     skewed: a fixed quarter of each head's experts get one bias b, found by bisection so
     that they take half of the routes. hot: expert 0 of every head gets a bias of 1, which
     sigmoid scores (in (0, 1)) can never overcome: it takes every token of its head.
+    hot-last: the same with the head's last expert, whose tiles come last in the kernels'
+    tile orders where expert 0's come first.
     """
     cfg = layer.config
     H, E = cfg.num_heads, cfg.num_experts
@@ -102,9 +105,10 @@ def skew_router(layer, routing: str, x_heads: torch.Tensor) -> float:
         bias.zero_()
         if routing == "uniform":
             return 1.0
-        if routing == "hot":
-            bias[:, 0] = 1.0
-            return route_share(layer, x_heads, torch.zeros(1, device=device, dtype=torch.long))
+        if routing in ("hot", "hot-last"):
+            hot = 0 if routing == "hot" else E - 1
+            bias[:, hot] = 1.0
+            return route_share(layer, x_heads, torch.full((1,), hot, device=device))
         favoured = torch.randperm(E, generator=torch.Generator().manual_seed(0))[:E // 4]
         favoured = favoured.to(device)
         lo, hi = 0.0, 1.0

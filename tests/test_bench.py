@@ -63,23 +63,23 @@ def test_write_results_and_plot(tmp_path):
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
-@pytest.mark.parametrize("routing", ["uniform", "skewed", "hot"])
-def test_expert_backward_benchmark_routings(routing):
+@pytest.mark.parametrize("routing", ["uniform", "skewed", "hot", "hot-last"])
+def test_expert_backward_benchmark_routings(routing, monkeypatch):
     # bench_expert_backward.py --routing: the share of the routes the favoured experts take,
     # counted here from the top-K picks of its scores.
-    import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import bench_expert_backward as beb
 
     st = beb.Setup(H=2, E=16, K=2, D=16, I=16, device="cpu", routing=routing)
     S = 2000
     picks = beb.route_scores(st, S, torch.Generator().manual_seed(3)).topk(st.K, -1).indices
     counts = torch.bincount(picks.flatten(), minlength=st.E).double() / picks.numel()
-    if routing == "hot":
-        assert (picks == 0).any(-1).all()  # expert 0 in every token's picks, each head
-        assert counts[0] == pytest.approx(1 / st.K)
+    if routing.startswith("hot"):
+        hot = 0 if routing == "hot" else st.E - 1
+        assert (picks == hot).any(-1).all()  # in every token's picks, each head
+        assert counts[hot] == pytest.approx(1 / st.K)
     elif routing == "skewed":
         favoured = torch.randperm(st.E, generator=torch.Generator().manual_seed(0))[:st.E // 4]
         assert counts[favoured].sum().item() == pytest.approx(0.5, abs=0.01)

@@ -800,7 +800,7 @@ def test_gluon_dw_gemm_on_gpu(S, H, E, K, I, edge, monkeypatch):
     x, _, _, layout, run = panel_case(S, H, E, K, I, edge, monkeypatch)
     # The reference: the table's config, with 64-row dx tiles where the table's are 32
     # rows (the Gluon kernel takes panels of 64- and 128-row tiles) and the Triton dW tile
-    # 64/128 where the table's is narrower or the Gluon kernel.
+    # 64/128 where the table's is narrower or (should a row name it again) the Gluon kernel.
     reference = tuning.expert_backward_config(x.device, layout.gather_ids.numel() / (H * E))
     if reference.dx.block_m not in tuning.GLUON_DW_DX_ROWS:
         reference = dataclasses.replace(reference, dx=tuning.SM90_FEW_ROWS.dx)

@@ -16,7 +16,8 @@
 
 `sm90_compile_cases()` lists each tensor-core kernel (and the content-key kernel,
 whose 64-bit integer code the interpreter does not compile) with the arguments its
-launcher gives it on an H100/H200 at MAGI-2's dims, so that a developer tool
+launcher gives it on an H100/H200 at MAGI-2's dims (and a GPU-only kernel no table runs,
+the Gluon dW GEMM, at its named tiles), so that a developer tool
 (tools/sass_audit.py) can compile it for sm_90 without a GPU: a GPU-only kernel
 that stops compiling then fails `make test`.
 """
@@ -51,7 +52,8 @@ class CompileCase:
 
 def sm90_compile_cases() -> list[CompileCase]:
     """Every tensor-core kernel, and the content-key kernel, at the tiles its launcher
-    picks on sm_90 (MAGI-2 dims)."""
+    picks on sm_90 (MAGI-2 dims); the Gluon dW GEMM, which no table runs, at its named
+    tiles."""
     from . import (
         expert_backward,
         expert_forward,

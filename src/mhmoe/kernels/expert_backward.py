@@ -969,8 +969,8 @@ def sm90_compile_cases() -> list:
     # The Gluon dW GEMM, off in the table (tuning.SM90_PANEL_FEW_WS says why), at its named
     # tiles and the dx heights tests/test_gpu.py checks, so that a kernel that stops
     # compiling fails here.
-    for rows in tuning.GLUON_DW_DX_ROWS:
-        cases += panel_dw_compile_cases(tuning.SM90_PANEL_FEW_WS, rows)
+    for dx_rows in tuning.GLUON_DW_DX_ROWS:
+        cases += panel_dw_compile_cases(tuning.SM90_PANEL_FEW_WS, dx_rows)
     # dx from the panels (tuning.SM90_SPLIT): the dx kernel without its products, and
     # the panel dx GEMM.
     # Also with ExpertBackwardConfig.sigmoid_rcp (the inline reciprocal, every kernel's).

@@ -966,12 +966,12 @@ SM90_SPLIT_WS = dataclasses.replace(
     sigmoid_rcp=True, panel_store_bytes=8)
 # The Gluon dW GEMM (kernels/panel_dw_sm90.py) at its best measured tiles, 64/64 and six
 # stages (with 128-row dx tiles; where it cannot run, the Triton tiles measured there).
-# Off in the table: 2-3% faster than SM90_PANEL_FEW with uniform routing, but its
-# persistent programs take their tiles in a fixed order, so with one hot expert a head
-# (4,096 routes: tiles of 64 steps among tiles of 2) the programs that drew its tiles
-# finish last: forward+backward 1.17x uniform routing's time at 4,096 tokens against
-# 1.01x with the Triton tiles, whose programs the hardware schedules as SMs free up
-# (docs/expert-backward.md, "Skewed routing and the Gluon dW GEMM").
+# Off in the table: 2.5-3.3% faster than SM90_PANEL_FEW in the expert backward with
+# uniform routing, but with one hot expert a head (4,096 routes: tiles of 64 steps among
+# tiles of 2) forward+backward took 1.17x uniform routing's time at 4,096 tokens against
+# 1.01x with the Triton tiles (H100). Its persistent programs take their tiles in a fixed
+# order, which explains part of that (docs/expert-backward.md, "Skewed routing and the
+# Gluon dW GEMM").
 SM90_PANEL_FEW_WS = PanelGemmConfig(64, 64, 64, 4, 6, warp_specialized=True,
                                     triton_fallback=SM90_PANEL_FEW)
 # At few rows an expert the dx kernel pads each expert's routes to whole tiles, so the
