@@ -210,11 +210,10 @@ def time_size(st: Setup, S: int, gen, weights, det: bool) -> dict:
 
 def parse_config(spec: str, default: ExpertBackwardConfig) -> ExpertBackwardConfig:
     """'dx=m/i/w/s,dw=m/i/w/s,panel=m/n/k/w/s[/tma[/gws[/bufs]]],pdx=i/w/s[/tma],
-    ws=0|1,rcp=0|1,st=8|16,dfr=0|1' over `default` (fields in the dataclasses' order, booleans
+    ws=0|1,rcp=0|1,st=8|16' over `default` (fields in the dataclasses' order, booleans
     as 0/1); 'panel=none': recompute; gws, bufs: the Gluon dW GEMM; pdx: dx from the
     panels (`PanelDxConfig`); ws=1: with pdx, the Gluon panel kernel
-    (dx.warp_specialized); rcp: `sigmoid_rcp`; st: `panel_store_bytes`; dfr:
-    `panel_defer_stores`."""
+    (dx.warp_specialized); rcp: `sigmoid_rcp`; st: `panel_store_bytes`."""
     tiles, ws = {}, None
     for part in spec.split(","):
         key, value = part.split("=")
@@ -222,8 +221,6 @@ def parse_config(spec: str, default: ExpertBackwardConfig) -> ExpertBackwardConf
             tiles["sigmoid_rcp"] = bool(int(value))
         elif key == "st":
             tiles["panel_store_bytes"] = int(value)
-        elif key == "dfr":
-            tiles["panel_defer_stores"] = bool(int(value))
         elif key == "panel":
             tiles[key] = None if value == "none" else PanelGemmConfig(*map(int, value.split("/")))
         elif key == "pdx":

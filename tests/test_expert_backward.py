@@ -300,9 +300,6 @@ def test_split_config_checks():
                              panel=BIG.panel, panel_dx=PanelDxConfig(32, 4, 1))
     with pytest.raises(ValueError, match="panel_store_bytes must be 8 or 16"):
         dataclasses.replace(BIG, panel_store_bytes=4)
-    with pytest.raises(ValueError, match="panel_defer_stores needs panel_store_bytes=8"):
-        dataclasses.replace(BIG, panel_defer_stores=True)  # 16-byte stores by default
-    assert dataclasses.replace(BIG, panel_store_bytes=8, panel_defer_stores=True)
     with pytest.raises(ValueError, match="its own sigmoid_rcp"):
         dataclasses.replace(BIG, dx=dataclasses.replace(BIG.dx, sigmoid_rcp=True))
     with pytest.raises(ValueError, match="block_i must be a power of two"):

@@ -712,9 +712,8 @@ def test_split_backward_and_gluon_panel_kernel(S, H, E, K, I, edge, monkeypatch)
     (4096, 12, 256, 6, 1280, "MAGI-2's expert shapes"),
 ])
 def test_gluon_panel_kernel_variants(S, H, E, K, I, edge, monkeypatch):
-    # ExpertBackwardConfig.sigmoid_rcp, panel_store_bytes=8 and panel_defer_stores
-    # (docs/expert-backward.md, "The panel kernel's window"). The 8-byte stores, deferred
-    # or not, write the 16-byte ones' values; with
+    # ExpertBackwardConfig.sigmoid_rcp and panel_store_bytes=8 (docs/expert-backward.md,
+    # "The panel kernel's window"). The 8-byte stores write the 16-byte ones' values; with
     # the reciprocal, the Gluon panels still give the Triton split's dx and weight
     # gradients bitwise (dprobs within rounding), run to run bitwise; where no g lies
     # below -51.3 the reciprocal gives the division's results bitwise in every backward
@@ -734,8 +733,6 @@ def test_gluon_panel_kernel_variants(S, H, E, K, I, edge, monkeypatch):
                "ws 8": dataclasses.replace(tuning.SM90_SPLIT_WS, panel_store_bytes=8),
                "ws rcp": rcp(tuning.SM90_SPLIT_WS),
                "ws rcp 8": rcp(tuning.SM90_SPLIT_WS, panel_store_bytes=8),
-               "ws rcp 8 deferred": rcp(tuning.SM90_SPLIT_WS, panel_store_bytes=8,
-                                        panel_defer_stores=True),
                "split rcp": rcp(tuning.SM90_SPLIT),
                "fused": tuning.SM90_FUSED, "fused rcp": rcp(tuning.SM90_FUSED),
                "recompute": recompute, "recompute rcp": rcp(recompute)}
@@ -753,7 +750,6 @@ def test_gluon_panel_kernel_variants(S, H, E, K, I, edge, monkeypatch):
 
     equal("ws rcp 8", ref_ws)  # run to run
     equal("ws rcp", ref_ws)
-    equal("ws rcp 8 deferred", ref_ws)  # the same values, stored later
     split = equal("split rcp", ref_ws, skip=("dprobs",))
     assert rel_err(split[1], ref_ws[1]) < 1e-5, edge
     del split

@@ -19,7 +19,6 @@ from sass_audit import (  # noqa: E402
     register_a_hazards,
     schedule,
     static_cycles,
-    stores_under_wgmma,
     wgmma_loops,
 )
 
@@ -130,7 +129,6 @@ def test_wgmma_loops_are_the_innermost_loops_holding_one():
     assert wgmma_loops(text) == [{"addr": "0x10", "instructions": 3, "wgmmas": 1,
                                   "issue_cycles": 7, "static_cycles": 7,
                                   "tile_start": 1, "tile_end": 2,
-                                  "stores_under_wgmma": 0,
                                   # per opcode (predicate and suffixes dropped): count,
                                   # stall cycles summed
                                   "opcodes": {"HGMMA": (1, 1), "WARPGROUP": (1, 1),
@@ -138,20 +136,6 @@ def test_wgmma_loops_are_the_innermost_loops_holding_one():
     # Without the outer loop's branch no loop encloses it.
     flat = text.replace("@!P1 BRA 0x0", "@!P1 BRA 0x70")
     assert [(lp["tile_start"], lp["tile_end"]) for lp in wgmma_loops(flat)] == [(None, None)]
-
-
-def test_stores_under_wgmma_counts_stores_between_issue_and_the_last_wait():
-    body = schedule(_scheduled(
-        ("STG.E.64 desc[UR4][R2.64], R4", 1, 7, 7, 0),        # before any wgmma
-        ("HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], R24, gsb0", 1, 7, 7, 0),
-        ("STG.E.64 desc[UR4][R2.64+0x20], R6", 1, 7, 7, 0),   # under it
-        ("WARPGROUP.DEPBAR.LE gsb0, 0x1", 1, 7, 7, 0),        # one still in flight
-        ("STG.E.64 desc[UR4][R2.64+0x40], R8", 1, 7, 7, 0),   # under it
-        ("WARPGROUP.DEPBAR.LE gsb0, 0x0", 1, 7, 7, 0),        # all retired
-        ("STG.E.128 desc[UR4][R2.64+0x60], R8", 1, 7, 7, 0),  # the window
-        ("STS [R0], R6", 1, 7, 7, 0),                          # shared: not counted
-    ))
-    assert stores_under_wgmma(body) == 2
 
 
 def test_compiled_sm90_kernels_have_no_register_a_hazards():
@@ -224,10 +208,9 @@ def test_compiled_sm90_kernels_have_no_register_a_hazards():
     # over four K = 64 chunks and t as N = 64 over four, both from shared memory; one
     # wgmma kept in flight while the next is issued (7 waits a block: each stage goes back
     # to the loader as soon as its wgmmas retired); no combine (dx comes from the panels).
-    # The variants: the default, the sigmoid's reciprocal with 8-byte stores, and those
-    # stores deferred under the next block's wgmmas.
+    # Both variants: the default, and the sigmoid's reciprocal with 8-byte stores.
     panels = {r["kernel"]: r for r in shipped if r["kernel"].startswith("expert panels ws")}
-    assert len(panels) == 3, panels
+    assert len(panels) == 2, panels
     for r in panels.values():
         assert r["wgmmas"] == {"HGMMA.64x128x16": 32, "HGMMA.64x64x16": 32}, r
         assert r["async_waits"] >= 14 and r["hgmma_register_a"] == 0, r
@@ -239,13 +222,6 @@ def test_compiled_sm90_kernels_have_no_register_a_hazards():
     assert panels["expert panels ws (Gluon)"]["stores"] == {"16": 24, "4": 4}, panels
     assert panels["expert panels ws (Gluon) rcp, 8-byte stores"]["stores"] == \
         {"8": 48, "4": 4}, panels
-    # Deferred (ExpertBackwardConfig.panel_defer_stores): the same stores in the loop, and
-    # once more after the tiles for each warpgroup's last slice. In the loops they sit
-    # between a gate|up chunk's issue and its wait, 8 a chunk after chunks 1-3, and none is
-    # left after the block's last wait (the window).
-    deferred = panels["expert panels ws (Gluon) rcp, 8-byte stores deferred"]
-    assert deferred["stores"] == {"8": 96, "4": 4}, panels
-    assert [lp["stores_under_wgmma"] for lp in deferred["loops"]] == [24, 24], deferred
     # ExpertBackwardConfig.sigmoid_rcp: the sigmoid's reciprocal without the full-range
     # division's range checks (which the defaults show: the count is not vacuous).
     for r in shipped:

@@ -291,8 +291,7 @@ def wgmma_loops(sass: str) -> list[dict]:
     slice when nothing makes it wait (other warps, the tensor cores, barriers); not a
     measurement. tile_start, tile_end: the instructions of the smallest loop around it (in
     those kernels the loop over tiles) before its top and after its branch, the code a
-    tile runs once around its slices (None where no loop encloses it). stores_under_wgmma:
-    `stores_under_wgmma`."""
+    tile runs once around its slices (None where no loop encloses it)."""
     rows = schedule(sass)
     by_addr = {r["addr"]: r for r in rows}
     closed = list(_backward_loops([(r["addr"], r["ins"]) for r in rows]))
@@ -315,31 +314,13 @@ def wgmma_loops(sass: str) -> list[dict]:
         row = {"addr": hex(top), "instructions": len(body), "wgmmas": n,
                "issue_cycles": sum(cycles for _, cycles in opcodes.values()),
                "static_cycles": static_cycles(body), "tile_start": None, "tile_end": None,
-               "stores_under_wgmma": stores_under_wgmma(body), "opcodes": opcodes}
+               "opcodes": opcodes}
         if around:
             o_body = min(around, key=lambda lp: lp[1] - lp[0])[2]
             row["tile_start"] = sum(1 for a, _ in o_body if a < top)
             row["tile_end"] = sum(1 for a, _ in o_body if a > end)
         out.append(row)
     return out
-
-
-_WAIT_ALL = re.compile(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x0\b")
-
-
-def stores_under_wgmma(body: list[dict]) -> int:
-    """Register stores to global memory (STG) in a loop body that lie between a wgmma's
-    issue and the wait that retires every wgmma (`WARPGROUP.DEPBAR.LE gsb0, 0x0`), in
-    program order: stores a warp issues while its own wgmmas run."""
-    in_flight, n = False, 0
-    for r in body:
-        if _WGMMA.search(r["ins"]):
-            in_flight = True
-        elif _WAIT_ALL.search(r["ins"]):
-            in_flight = False
-        elif in_flight and _GLOBAL_STORE.search(r["ins"]):
-            n += 1
-    return n
 
 
 def _parse(sass: str) -> list[tuple[int, str]]:

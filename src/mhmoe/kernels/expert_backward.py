@@ -700,14 +700,13 @@ def _panel_dx(views, tile_expert, tile_first, gather_ids, offsets, w_gate, w_up,
 
 def _backward_dx(grad_y, x_heads, gather_ids, sorted_probs, offsets, w_gate, w_up, w_down,
                  dx, dprobs, tiles, deterministic, dot_fp32, precision, interpret,
-                 panels=None, grads=None, panel_dx=None, rcp=False, store_bytes=16,
-                 defer=False) -> None:
+                 panels=None, grads=None, panel_dx=None, rcp=False, store_bytes=16) -> None:
     """dx and dprobs, in groups of heads whose fp32 workspace fits the forward's limits
     (and with `panels`, at most `panels.heads` heads, each launch followed by the
     weight gradients of its experts from the panels it wrote). With `panels` and
     `panel_dx` (a `PanelDxConfig`), the dx kernel leaves dx out and `_panel_dx_kernel`
-    computes it from the panels. rcp, store_bytes, defer: `ExpertBackwardConfig.sigmoid_rcp`,
-    `.panel_store_bytes` and `.panel_defer_stores`."""
+    computes it from the panels. rcp, store_bytes: `ExpertBackwardConfig.sigmoid_rcp`
+    and `.panel_store_bytes`."""
     split = panels is not None and panel_dx is not None
     S, H, D = x_heads.shape
     F, _, I = w_gate.shape
@@ -763,8 +762,7 @@ def _backward_dx(grad_y, x_heads, gather_ids, sorted_probs, offsets, w_gate, w_u
             views = panels.views(max_tiles * tiles.block_m)
             ws.launch_panels(x_heads, grad_y, gather_ids, sorted_probs, offsets, w_gate, w_up,
                              w_down, dprobs, views, tile_expert, tile_first, total, E=E,
-                             first_expert=h0 * E, rcp=rcp, store_bytes=store_bytes,
-                                  defer=defer)
+                             first_expert=h0 * E, rcp=rcp, store_bytes=store_bytes)
             ran.update(views=views, tile_expert=tile_expert, tile_first=tile_first)
         else:
             tiles = launch_with_step_down(launch, tiles)
@@ -875,7 +873,7 @@ def triton_expert_backward(
     _backward_dx(grad_y, x_heads, gather_ids, sorted_probs, offsets, w_gate, w_up, w_down,
                  dx, dprobs, config.dx, deterministic, dot_fp32, precision, interpret,
                  panels, (d_gate, d_up, d_down), config.panel_dx, config.sigmoid_rcp,
-                 config.panel_store_bytes, config.panel_defer_stores)
+                 config.panel_store_bytes)
     return dx, dprobs.to(sorted_probs.dtype), d_gate, d_up, d_down
 
 

@@ -279,31 +279,17 @@ _PAIR_SWAP_STORE = gl.constexpr("""{
 
 
 @gluon.jit
-def _pack_bf16_pairs(v):
-    """The fp32 [64, 64] v (a t accumulator's layout) rounded to bf16 pairs, as the words
-    `_store_packed_pairs` takes: [64 rows, 4 quad lanes, 2, 2, 2], pair column 4 jj + q
-    of row r at (r, q, i0, i1, i2) with jj = 4 i0 + 2 i1 + i2, in the registers of the
-    thread that holds the pair (no data moves). Rounding: cvt.rn.bf16x2, round to nearest
-    even as `.to(gl.bfloat16)`."""
-    lo, hi = v.reshape([64, 32, 2]).split()
-    pairs = gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [lo, hi],
-                                      dtype=gl.int32, is_pure=True, pack=1)
-    return pairs.reshape([64, 8, 4]).permute((0, 2, 1)).reshape([64, 4, 2, 2, 2])
-
-
-@gluon.jit
 def _store_bf16_pairs(ptr32, odd, v, rows_q: gl.constexpr):
     """Stores the fp32 [64, 64] v (a t accumulator's layout) rounded to bf16 in 8-byte
     pieces: ptr32, int32 pointers [64 rows, 4 quad lanes] in `rows_q` to each lane's
     first word (see _PAIR_SWAP_STORE); odd: the lane's parity, the same shape. Fewer
     instructions than `_store_bf16`'s transposes (docs/expert-backward.md); each store
-    still fills 32-byte sectors."""
-    _store_packed_pairs(ptr32, odd, _pack_bf16_pairs(v), rows_q)
-
-
-@gluon.jit
-def _store_packed_pairs(ptr32, odd, w, rows_q: gl.constexpr):
-    """`_store_bf16_pairs` of words packed by `_pack_bf16_pairs`."""
+    still fills 32-byte sectors. Rounding as `_store_bf16`."""
+    lo, hi = v.reshape([64, 32, 2]).split()
+    pairs = gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [lo, hi],
+                                      dtype=gl.int32, is_pure=True, pack=1)
+    # Pair column 4 jj + q -> words w_jj of element (row, q); jj = 4 i0 + 2 i1 + i2.
+    w = pairs.reshape([64, 8, 4]).permute((0, 2, 1)).reshape([64, 4, 2, 2, 2])
     even, odd_jj = w.split()
     w04, w26 = even.split()
     w15, w37 = odd_jj.split()
@@ -325,7 +311,7 @@ def _mma_partition(W: gl.constexpr, xs, dys, stages, ready, empty, x_ready, x_em
                    tile_expert_ptr, tile_first_ptr, offsets_ptr, ntiles_ptr, probs_ptr,
                    dprobs_ptr, dgp_ptr, dup_ptr, app_ptr, first_expert,
                    D: gl.constexpr, I: gl.constexpr, NSTAGE: gl.constexpr,
-                   RCP: gl.constexpr, STORE_BYTES: gl.constexpr, DEFER: gl.constexpr):
+                   RCP: gl.constexpr, STORE_BYTES: gl.constexpr):
     """Rows W*64 .. W*64+63 of every tile of this program: g, u, t, the SwiGLU7
     backward, dprobs and the dg, du, a p panels (RCP, STORE_BYTES: the kernel's)."""
     NI: gl.constexpr = I // 64
@@ -357,14 +343,6 @@ def _mma_partition(W: gl.constexpr, xs, dys, stages, ready, empty, x_ready, x_em
     xh = xs.index(W)
     dyh = dys.index(W)
     num_tiles = gl.load(ntiles_ptr)
-    if DEFER:
-        # The packed dg, du, a p of the last slice run and their words' offsets, stored
-        # under the next block's wgmmas (pending: whether there is one).
-        pend_dg = _pack_bf16_pairs(gl.zeros([64, 64], gl.float32, t_layout))
-        pend_du = pend_dg
-        pend_ap = pend_dg
-        pend_at = gl.full([64, 4], 0, gl.int64, rows_q)
-        pending = 0
     n = 0  # stages taken from the ring
     blk = 0  # blocks run (turns taken)
     k = 0  # tiles run
@@ -388,24 +366,7 @@ def _mma_partition(W: gl.constexpr, xs, dys, stages, ready, empty, x_ready, x_em
             # complete); then the two alternate.
             mbarrier.wait(turn.index(W), (blk & 1) ^ (1 - W))
             gu = _gate_up_first(xh, stages, ready, n, NSTAGE, gu_layout)
-            if DEFER:
-                # The previous slice's panel stores, one panel after each of chunks 1-3
-                # is issued, while the chunks run (they touch no accumulator).
-                for c in gl.static_range(1, D // 64):
-                    st = _wait_stage(stages, ready, n + c, NSTAGE)
-                    gu = warpgroup_mma(xh.slice(c * 64, 64, dim=1), st, gu, is_async=True)
-                    if pending:
-                        if c == 1:
-                            _store_packed_pairs(dgp32 + pend_at, parity, pend_dg, rows_q)
-                        if c == 2:
-                            _store_packed_pairs(dup32 + pend_at, parity, pend_du, rows_q)
-                        if c == 3:
-                            _store_packed_pairs(app32 + pend_at, parity, pend_ap, rows_q)
-                    gu = warpgroup_mma_wait(num_outstanding=1, deps=(gu,))
-                    _release(empty, n + c - 1, NSTAGE)
-                held = n + D // 64 - 1
-            else:
-                gu, held = _gate_up_rest(xh, stages, ready, empty, gu, n, D, NSTAGE)
+            gu, held = _gate_up_rest(xh, stages, ready, empty, gu, n, D, NSTAGE)
             t, held = _t_product(dyh, stages, ready, empty, held, n + D // 64, t_layout,
                                  NSTAGE)
             mbarrier.arrive(turn.index(1 - W), count=1)
@@ -422,13 +383,7 @@ def _mma_partition(W: gl.constexpr, xs, dys, stages, ready, empty, x_ready, x_em
             u = gl.convert_layout(u, t_layout)
             a, dg, du = _swiglu7_backward(g, u, t, p, RCP)
             dprob += gl.sum(a * t, axis=1)
-            if DEFER:
-                pend_at = gl.convert_layout((prow + j * 32)[:, None], rows_q) + pair_word[None, :]
-                pend_dg = _pack_bf16_pairs(dg)
-                pend_du = _pack_bf16_pairs(du)
-                pend_ap = _pack_bf16_pairs(a * p[:, None])
-                pending = 1
-            elif STORE_BYTES == 8:
+            if STORE_BYTES == 8:
                 at = gl.convert_layout((prow + j * 32)[:, None], rows_q) + pair_word[None, :]
                 _store_bf16_pairs(dgp32 + at, parity, dg, rows_q)
                 _store_bf16_pairs(dup32 + at, parity, du, rows_q)
@@ -440,11 +395,6 @@ def _mma_partition(W: gl.constexpr, xs, dys, stages, ready, empty, x_ready, x_em
                 _store_bf16(app32, at, a * p[:, None], quads)
         gl.store(dprobs_ptr + rows, dprob, mask=row_ok)
         k += 1
-    if DEFER:
-        if pending:
-            _store_packed_pairs(dgp32 + pend_at, parity, pend_dg, rows_q)
-            _store_packed_pairs(dup32 + pend_at, parity, pend_du, rows_q)
-            _store_packed_pairs(app32 + pend_at, parity, pend_ap, rows_q)
 
 
 @gluon.jit
@@ -459,7 +409,7 @@ def _expert_panels_sm90_kernel(
     E, first_expert,
     D: gl.constexpr, I: gl.constexpr, NSTAGE: gl.constexpr,
     MMA_REGS: gl.constexpr, LOAD_REGS: gl.constexpr,
-    RCP: gl.constexpr = False, STORE_BYTES: gl.constexpr = 16, DEFER: gl.constexpr = False,
+    RCP: gl.constexpr = False, STORE_BYTES: gl.constexpr = 16,
 ):
     """dprobs and the panels of the tiles of a head group (see the module docstring).
 
@@ -492,11 +442,11 @@ def _expert_panels_sm90_kernel(
         (_mma_partition, (0, xs, dys, stages, ready, empty, x_ready, x_empty, turn,
                           tile_expert_ptr, tile_first_ptr, offsets_ptr, ntiles_ptr, probs_ptr,
                           dprobs_ptr, dgp_ptr, dup_ptr, app_ptr, first_expert, D, I, NSTAGE,
-                          RCP, STORE_BYTES, DEFER)),
+                          RCP, STORE_BYTES)),
         (_mma_partition, (1, xs, dys, stages, ready, empty, x_ready, x_empty, turn,
                           tile_expert_ptr, tile_first_ptr, offsets_ptr, ntiles_ptr, probs_ptr,
                           dprobs_ptr, dgp_ptr, dup_ptr, app_ptr, first_expert, D, I, NSTAGE,
-                          RCP, STORE_BYTES, DEFER)),
+                          RCP, STORE_BYTES)),
         # The forward's loader, without clusters (its cluster arguments unused).
         (_w_loader, (wg_desc, wu_desc, wd_desc, stages, ready, empty, empty, tile_expert_ptr,
                      tile_first_ptr, ntiles_ptr, first_expert, 0, D, I, NSTAGE, 1, (0, 0))),
@@ -525,24 +475,20 @@ def panel_descriptors(xp: torch.Tensor, dyp: torch.Tensor):
 
 
 def kernel_options(config: PanelsSm90Config, D: int, I: int, rcp: bool = False,
-                   store_bytes: int = 16, defer: bool = False) -> dict:
+                   store_bytes: int = 16) -> dict:
     """The constexprs of `_expert_panels_sm90_kernel` for these tiles and shapes (rcp,
-    store_bytes, defer: `ExpertBackwardConfig.sigmoid_rcp`, `.panel_store_bytes` and
-    `.panel_defer_stores`)."""
-    if defer and store_bytes != 8:
-        raise ValueError(f"the panel kernel defers 8-byte stores only, got {store_bytes}")
+    store_bytes: `ExpertBackwardConfig.sigmoid_rcp` and `.panel_store_bytes`)."""
     return dict(D=D, I=I, NSTAGE=config.num_stages, MMA_REGS=config.mma_regs,
-                LOAD_REGS=config.load_regs, RCP=rcp, STORE_BYTES=store_bytes, DEFER=defer)
+                LOAD_REGS=config.load_regs, RCP=rcp, STORE_BYTES=store_bytes)
 
 
 def launch_panels(x_heads, grad_y, gather_ids, sorted_probs, offsets, w_gate, w_up, w_down,
                   dprobs, views, tile_expert, tile_first, num_tiles, *, E: int,
-                  first_expert: int, rcp: bool = False, store_bytes: int = 16,
-                  defer: bool = False) -> None:
+                  first_expert: int, rcp: bool = False, store_bytes: int = 16) -> None:
     """One launch for a head group: dprobs of its routes and its panels `views` (x, dy,
     dg, du, a p of `expert_backward._Panels.views`, tiles of 128 rows), over the tile map
     of 128-row tiles (`expert_forward.tile_map` with its total). Persistent: one program
-    an SM, at most one a tile. rcp, store_bytes, defer: `kernel_options`'s."""
+    an SM, at most one a tile. rcp, store_bytes: `kernel_options`'s."""
     config = panels_sm90_config()
     D, I = w_gate.shape[1], w_gate.shape[2]
     wg_desc, wu_desc, wd_desc = weight_descriptors(w_gate, w_up, w_down, 64)
@@ -553,7 +499,7 @@ def launch_panels(x_heads, grad_y, gather_ids, sorted_probs, offsets, w_gate, w_
         x_heads, grad_y, x_heads.shape[1], gather_ids, sorted_probs, offsets, tile_expert,
         tile_first, num_tiles, wg_desc, wu_desc, wd_desc, dprobs, xp_desc, dyp_desc,
         views[2], views[3], views[4], E, first_expert,
-        **kernel_options(config, D, I, rcp, store_bytes, defer), num_warps=config.num_warps,
+        **kernel_options(config, D, I, rcp, store_bytes), num_warps=config.num_warps,
         maxnreg=config.maxnreg)
 
 
@@ -581,10 +527,8 @@ def sm90_compile_cases() -> list:
                                                 strict=True)},
            "dgp_ptr": "*bf16", "dup_ptr": "*bf16", "app_ptr": "*bf16", "E": "i32",
            "first_expert": "i32"}
-    # The default, ExpertBackwardConfig.sigmoid_rcp with 8-byte stores, and those deferred.
+    # The default, and ExpertBackwardConfig.sigmoid_rcp with 8-byte stores.
     return [CompileCase(f"expert panels ws (Gluon){name}", _expert_panels_sm90_kernel, sig,
-                        kernel_options(config, D, I, rcp, store_bytes, defer),
-                        config.num_warps, 1, (), config.maxnreg)
-            for name, rcp, store_bytes, defer in (
-                ("", False, 16, False), (" rcp, 8-byte stores", True, 8, False),
-                (" rcp, 8-byte stores deferred", True, 8, True))]
+                        kernel_options(config, D, I, rcp, store_bytes), config.num_warps, 1,
+                        (), config.maxnreg)
+            for name, rcp, store_bytes in (("", False, 16), (" rcp, 8-byte stores", True, 8))]

@@ -905,11 +905,7 @@ class ExpertBackwardConfig:
         lanes transposes its words by three shuffles, then 16-byte stores) or 8 (lane
         pairs swap one word a store by one shuffle, then 8-byte stores, fewer
         instructions); the values are the same. Only the Gluon kernel reads it.
-    panel_defer_stores: with 8-byte panel stores, the Gluon panel kernel keeps a slice's
-        dg, du and a p packed to bf16 in registers and stores them under the next
-        slice's gate|up wgmmas (one panel after each of chunks 1-3 is issued) instead of
-        in the window after its own block; the values are the same.
-    The measurements behind these: docs/expert-backward.md ("The panel kernel's window").
+    The measurements behind both: docs/expert-backward.md ("The panel kernel's window").
     """
 
     dx: ExpertForwardConfig
@@ -918,7 +914,6 @@ class ExpertBackwardConfig:
     panel_dx: PanelDxConfig | None = None
     sigmoid_rcp: bool = False
     panel_store_bytes: int = 16
-    panel_defer_stores: bool = False
 
     def __post_init__(self) -> None:
         if self.panel_dx is not None and self.panel is None:
@@ -938,9 +933,6 @@ class ExpertBackwardConfig:
         if self.panel_store_bytes not in (8, 16):
             raise ValueError("ExpertBackwardConfig.panel_store_bytes must be 8 or 16, got "
                              f"{self.panel_store_bytes}")
-        if self.panel_defer_stores and self.panel_store_bytes != 8:
-            raise ValueError("ExpertBackwardConfig.panel_defer_stores needs "
-                             f"panel_store_bytes=8, got {self.panel_store_bytes}")
 
 
 # Mean rows per expert (R / number of flat experts) -> tiles; the first row
