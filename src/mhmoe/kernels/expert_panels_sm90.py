@@ -410,7 +410,6 @@ def _expert_panels_sm90_kernel(
     D: gl.constexpr, I: gl.constexpr, NSTAGE: gl.constexpr,
     MMA_REGS: gl.constexpr, LOAD_REGS: gl.constexpr,
     RCP: gl.constexpr = False, STORE_BYTES: gl.constexpr = 16,
-    TIMING_ALIAS_DY: gl.constexpr = False,
 ):
     """dprobs and the panels of the tiles of a head group (see the module docstring).
 
@@ -423,11 +422,7 @@ def _expert_panels_sm90_kernel(
     """
     xy_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, D], gl.bfloat16)
     xs = gl.allocate_shared_memory(gl.bfloat16, [2, 64, D], xy_layout)
-    # Timing only, wrong results: dy's tiles are x's (64 KB freed for ring stages).
-    if TIMING_ALIAS_DY:
-        dys = xs
-    else:
-        dys = gl.allocate_shared_memory(gl.bfloat16, [2, 64, D], xy_layout)
+    dys = gl.allocate_shared_memory(gl.bfloat16, [2, 64, D], xy_layout)
     stages = gl.allocate_shared_memory(gl.bfloat16, [NSTAGE, 64, 128],
                                        gl.NVMMASharedLayout.get_default_for([64, 128],
                                                                             gl.bfloat16))
