@@ -147,41 +147,6 @@ def _t_product(dyh, stages, ready, empty, held, n, t_layout: gl.constexpr,
 
 
 @gluon.jit
-def _block_fixed_slots(xh, dyh, stages, ready, empty, phase, D: gl.constexpr,
-                       gu_layout: gl.constexpr, t_layout: gl.constexpr):
-    """One block (gu, then t; as `_gate_up_first`, `_gate_up_rest` and `_t_product` issue
-    it) for a ring of exactly one block's D/64 + 2 stages: every block then takes stages
-    0 .. D/64 + 1 in order, so the slots are constants and only the phase (the parity of
-    the blocks run) is a run-time value, which spares the loop the stage index's modulo
-    and the descriptors' address arithmetic. Returns (gu, t) in flight; stage D/64 + 1
-    is still held."""
-    NG: gl.constexpr = D // 64
-    mbarrier.wait(ready.index(0), phase)
-    gu = warpgroup_mma(xh.slice(0, 64, dim=1), stages.index(0),
-                       gl.zeros([64, 128], gl.float32, gu_layout), use_acc=False,
-                       is_async=True)
-    for c in gl.static_range(1, NG):
-        mbarrier.wait(ready.index(c), phase)
-        gu = warpgroup_mma(xh.slice(c * 64, 64, dim=1), stages.index(c), gu, is_async=True)
-        gu = warpgroup_mma_wait(num_outstanding=1, deps=(gu,))
-        mbarrier.arrive(empty.index(c - 1), count=1)
-    t = gl.zeros([64, 64], gl.float32, t_layout)
-    for h in gl.static_range(2):
-        mbarrier.wait(ready.index(NG + h), phase)
-        st = stages.index(NG + h)
-        for c in gl.static_range(2):
-            t = warpgroup_mma(dyh.slice(h * 128 + c * 64, 64, dim=1),
-                              st.slice(c * 64, 64, dim=1).permute((1, 0)), t,
-                              use_acc=h + c > 0, is_async=True)
-            t = warpgroup_mma_wait(num_outstanding=1, deps=(t,))
-            if h + c == 0:
-                mbarrier.arrive(empty.index(NG - 1), count=1)
-            if h == 1 and c == 0:
-                mbarrier.arrive(empty.index(NG), count=1)
-    return gu, t
-
-
-@gluon.jit
 def _swiglu7_backward(g, u, t, p, RCP: gl.constexpr):
     """`expert_backward._swiglu7_backward` on the fp32 (g, u) of a slice, for the
     upstream t * p: (a rounded to bf16 and back, dg, du), the same operations in the
@@ -346,11 +311,10 @@ def _mma_partition(W: gl.constexpr, xs, dys, stages, ready, empty, x_ready, x_em
                    tile_expert_ptr, tile_first_ptr, offsets_ptr, ntiles_ptr, probs_ptr,
                    dprobs_ptr, dgp_ptr, dup_ptr, app_ptr, first_expert,
                    D: gl.constexpr, I: gl.constexpr, NSTAGE: gl.constexpr,
-                   RCP: gl.constexpr, STORE_BYTES: gl.constexpr, FIXED_SLOTS: gl.constexpr):
+                   RCP: gl.constexpr, STORE_BYTES: gl.constexpr):
     """Rows W*64 .. W*64+63 of every tile of this program: g, u, t, the SwiGLU7
     backward, dprobs and the dg, du, a p panels (RCP, STORE_BYTES: the kernel's)."""
     NI: gl.constexpr = I // 64
-    FIXED: gl.constexpr = FIXED_SLOTS and NSTAGE == D // 64 + 2
     gu_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 16])
     t_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -401,15 +365,10 @@ def _mma_partition(W: gl.constexpr, xs, dys, stages, ready, empty, x_ready, x_em
             # Warpgroup 0 takes the first turn of all (its barrier starts with phase 1
             # complete); then the two alternate.
             mbarrier.wait(turn.index(W), (blk & 1) ^ (1 - W))
-            if FIXED:
-                gu, t = _block_fixed_slots(xh, dyh, stages, ready, empty, blk & 1, D,
-                                           gu_layout, t_layout)
-                held = D // 64 + 1
-            else:
-                gu = _gate_up_first(xh, stages, ready, n, NSTAGE, gu_layout)
-                gu, held = _gate_up_rest(xh, stages, ready, empty, gu, n, D, NSTAGE)
-                t, held = _t_product(dyh, stages, ready, empty, held, n + D // 64,
-                                     t_layout, NSTAGE)
+            gu = _gate_up_first(xh, stages, ready, n, NSTAGE, gu_layout)
+            gu, held = _gate_up_rest(xh, stages, ready, empty, gu, n, D, NSTAGE)
+            t, held = _t_product(dyh, stages, ready, empty, held, n + D // 64, t_layout,
+                                 NSTAGE)
             mbarrier.arrive(turn.index(1 - W), count=1)
             gu, t = warpgroup_mma_wait(num_outstanding=0, deps=(gu, t))
             _release(empty, held, NSTAGE)
@@ -451,7 +410,6 @@ def _expert_panels_sm90_kernel(
     D: gl.constexpr, I: gl.constexpr, NSTAGE: gl.constexpr,
     MMA_REGS: gl.constexpr, LOAD_REGS: gl.constexpr,
     RCP: gl.constexpr = False, STORE_BYTES: gl.constexpr = 16,
-    FIXED_SLOTS: gl.constexpr = False,
 ):
     """dprobs and the panels of the tiles of a head group (see the module docstring).
 
@@ -484,11 +442,11 @@ def _expert_panels_sm90_kernel(
         (_mma_partition, (0, xs, dys, stages, ready, empty, x_ready, x_empty, turn,
                           tile_expert_ptr, tile_first_ptr, offsets_ptr, ntiles_ptr, probs_ptr,
                           dprobs_ptr, dgp_ptr, dup_ptr, app_ptr, first_expert, D, I, NSTAGE,
-                          RCP, STORE_BYTES, FIXED_SLOTS)),
+                          RCP, STORE_BYTES)),
         (_mma_partition, (1, xs, dys, stages, ready, empty, x_ready, x_empty, turn,
                           tile_expert_ptr, tile_first_ptr, offsets_ptr, ntiles_ptr, probs_ptr,
                           dprobs_ptr, dgp_ptr, dup_ptr, app_ptr, first_expert, D, I, NSTAGE,
-                          RCP, STORE_BYTES, FIXED_SLOTS)),
+                          RCP, STORE_BYTES)),
         # The forward's loader, without clusters (its cluster arguments unused).
         (_w_loader, (wg_desc, wu_desc, wd_desc, stages, ready, empty, empty, tile_expert_ptr,
                      tile_first_ptr, ntiles_ptr, first_expert, 0, D, I, NSTAGE, 1, (0, 0))),
