@@ -235,7 +235,33 @@ def parse_config(spec: str, default: ExpertBackwardConfig) -> ExpertBackwardConf
     return dataclasses.replace(default, **tiles)
 
 
-def sweep(st: Setup, S: int, gen, weights, specs: str) -> list[tuple[str, float, dict]]:
+def sweep_specs(text: str) -> list[str]:
+    """The --sweep variants in order (';'-separated, blanks and spaces around parts
+    dropped). Each is timed and recorded under its own name beside the default tiles'
+    ("default"), so a variant named "default" or given twice is a ValueError, read with
+    the arguments: on a GPU the names would collide in the interleaved timing after every
+    size was timed. So is a part that is not key=value with both sides, which the sweep
+    would otherwise only report and skip after the sizes' timings."""
+    specs = []
+    for spec in text.split(";"):
+        parts = [part.strip() for part in spec.split(",")]
+        if not any(parts):
+            continue
+        spec = ",".join(parts)
+        if spec == "default":
+            raise ValueError("--sweep: 'default' names the default tiles, which are always "
+                             "timed; give only the variants")
+        if spec in specs:
+            raise ValueError(f"--sweep: variant {spec!r} given twice")
+        for part in parts:
+            key, eq, value = part.partition("=")
+            if not (key and eq and value) or "=" in value:
+                raise ValueError(f"--sweep: variant {spec!r}: {part!r} is not key=value")
+        specs.append(spec)
+    return specs
+
+
+def sweep(st: Setup, S: int, gen, weights, specs: list[str]) -> list[tuple[str, float, dict]]:
     """Backward time (default mode) of each config (see `parse_config`) against the
     default's, interleaved, and the largest relative difference of its gradients from
     the default config's: (variant, ms, extra with the config) for each."""
@@ -244,7 +270,7 @@ def sweep(st: Setup, S: int, gen, weights, specs: str) -> list[tuple[str, float,
     call = functools.partial(triton_expert_backward, dy, x, *layout, *weights)
     ref = call(config=default)
     variants, diffs = [("sweep:default", functools.partial(call, config=default))], {}
-    for spec in filter(None, specs.split(";")):
+    for spec in specs:
         try:
             cfg = parse_config(spec, default)
             grads = call(config=cfg)
@@ -290,6 +316,10 @@ def main() -> int:
     args = parser.parse_args()
     if args.sweep_only and not args.sweep:
         parser.error("--sweep-only needs --sweep")
+    try:
+        specs = sweep_specs(args.sweep)
+    except ValueError as exc:
+        parser.error(str(exc))
     st = dataclasses.replace(CPU_SETUP if args.cpu else Setup(), routing=args.routing)
     if args.sizes:
         st = dataclasses.replace(st, sizes=tuple(int(s) for s in args.sizes.split(",")))
@@ -325,9 +355,9 @@ def main() -> int:
             print(f"S={S} {mode}: {json.dumps(t)}", flush=True)
         if st.device == "cuda":
             torch.cuda.empty_cache()
-    if args.sweep:
+    if specs:
         S = max(st.sizes)
-        for variant, ms, extra in sweep(st, S, gen, weights, args.sweep):
+        for variant, ms, extra in sweep(st, S, gen, weights, specs):
             rows.append(result_row("expert_bwd", variant, S, ms, env=env,
                                    tflops=2 * fwd_flops(st, S) / (ms * 1e-3) / 1e12,
                                    shape=shape, peaks=peaks, command=command, **extra))

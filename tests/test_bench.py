@@ -85,3 +85,34 @@ def test_expert_backward_benchmark_routings(routing, monkeypatch):
         assert counts[favoured].sum().item() == pytest.approx(0.5, abs=0.01)
     else:
         assert counts.max().item() < 1.5 / st.E and counts.min().item() > 0.5 / st.E
+
+
+def test_expert_backward_sweep_specs_refused_before_any_timing(monkeypatch):
+    # bench_expert_backward.py --sweep: a variant given twice, or named "default", would
+    # collide with another's name in the interleaved timing after every size was timed
+    # (on a GPU); it is refused when the arguments are read, as is a part that is not
+    # key=value.
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.syspath_prepend(str(root / "benchmarks"))
+    import bench_expert_backward as beb
+
+    assert beb.sweep_specs(" rcp=1 ;; dx=64/32/4/3, st=8;") == ["rcp=1", "dx=64/32/4/3,st=8"]
+    assert beb.sweep_specs("") == []
+    for bad, what in (("rcp=1;st=8;rcp=1", "given twice"), ("rcp=1,st=8;rcp=1, st=8", "twice"),
+                      ("default", "always timed"), ("rcp", "not key=value"),
+                      ("rcp=1,st", "not key=value"), ("rcp=1=0", "not key=value"),
+                      ("=1", "not key=value"), ("rcp=", "not key=value")):
+        with pytest.raises(ValueError, match=what):
+            beb.sweep_specs(bad)
+    # The script itself stops at its arguments (exit status 2), before it prints anything.
+    done = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_expert_backward.py"),
+                           "--cpu", "--no-record", "--sweep", "rcp=1;rcp=1"],
+                          capture_output=True, text=True, timeout=120, cwd=root,
+                          env={**os.environ, "PYTHONPATH": str(root / "src")})
+    assert done.returncode == 2 and "given twice" in done.stderr, done.stderr[-500:]
+    assert done.stdout == "", done.stdout[-500:]
