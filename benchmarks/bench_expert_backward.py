@@ -57,6 +57,7 @@ from mhmoe.bench import (
     append_results,
     bench_ms,
     call_peak_bytes,
+    check_unique,
     environment,
     interleaved,
     measured_peaks,
@@ -251,13 +252,12 @@ def sweep_specs(text: str) -> list[str]:
         if spec == "default":
             raise ValueError("--sweep: 'default' names the default tiles, which are always "
                              "timed; give only the variants")
-        if spec in specs:
-            raise ValueError(f"--sweep: variant {spec!r} given twice")
         for part in parts:
             key, eq, value = part.partition("=")
             if not (key and eq and value) or "=" in value:
                 raise ValueError(f"--sweep: variant {spec!r}: {part!r} is not key=value")
         specs.append(spec)
+    check_unique(specs, "--sweep")
     return specs
 
 

@@ -49,6 +49,7 @@ from mhmoe.bench import (
     append_results,
     bench_ms,
     call_peak_bytes,
+    check_unique,
     environment,
     graph_ms,
     interleaved,
@@ -246,7 +247,11 @@ def main() -> int:
     st = CPU_SETUP if args.cpu else Setup()
     if args.sizes:
         st = dataclasses.replace(st, sizes=tuple(int(s) for s in args.sizes.split(",")))
-    sweep = [parse_config(c) for c in args.sweep.split(";") if c]
+    sweep = [parse_config(c.strip()) for c in args.sweep.split(";") if c.strip()]
+    try:
+        check_unique((describe(c) for c in sweep), "--sweep")
+    except ValueError as exc:
+        parser.error(str(exc))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)  # fail before the run
     env = environment(st.device)

@@ -31,6 +31,7 @@ import torch
 from mhmoe import MAGI2_PREVIEW as M
 from mhmoe.bench import (
     append_results,
+    check_unique,
     environment,
     interleaved,
     matmul_peak_tflops,
@@ -66,6 +67,29 @@ def parse_gluon(spec: str) -> Fp8ForwardConfig:
                             **{GLUON_OPTIONS[n]: True for n in names})
 
 
+def fp8_variants(default: Fp8ForwardConfig | None, sm90: bool, gluon: list, tiles: list,
+                 skip_empty: bool, reciprocals: bool) -> dict[str, Fp8ForwardConfig]:
+    """The fp8 configs timed beside the bf16 kernel, by name: `default` (the table's;
+    None with --gluon-only, which times the --gluon sets alone), on sm_90 the Gluon
+    kernel "ws" (and "ws skip"), the --gluon sets ("ws SPEC", pairs from `parse_gluon`),
+    the --tiles ("m/i/w/s"), and with --reciprocals an " rcp" copy of each. ValueError
+    where two share a name (e.g. --gluon rcp beside --reciprocals' copy of "ws"), which a
+    dict would merge, timing one under the other's label."""
+    pairs = [] if default is None else [("default", default)]
+    if default is not None and sm90:
+        pairs.append(("ws", Fp8ForwardConfig(128, 64, 4, 1, warp_specialized=True)))
+        if skip_empty:
+            pairs.append(("ws skip", Fp8ForwardConfig(128, 64, 4, 1, warp_specialized=True,
+                                                      skip_empty_halves=True)))
+    if default is None or sm90:
+        pairs += [(f"ws {spec}", c) for spec, c in gluon]
+    pairs += [(f"{c.block_m}/{c.block_i}/{c.num_warps}/{c.num_stages}", c) for c in tiles]
+    if reciprocals:
+        pairs += [(f"{name} rcp", dataclasses.replace(c, reciprocals=True)) for name, c in pairs]
+    check_unique((name for name, _ in pairs), "--gluon, --tiles, --reciprocals")
+    return dict(pairs)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="1024,32768")
@@ -77,10 +101,17 @@ def main() -> int:
     ap.add_argument("--gluon-only", action="store_true")
     ap.add_argument("--no-record", action="store_true")
     args = ap.parse_args()
-    tiles = [parse_tiles(t) for t in args.tiles.split(";") if t]
-    gluon = {f"ws {spec}": parse_gluon(spec) for spec in args.gluon.split(";") if spec}
+    tiles = [parse_tiles(t.strip()) for t in args.tiles.split(";") if t.strip()]
+    gluon = [(spec.strip(), parse_gluon(spec.strip())) for spec in args.gluon.split(";")
+             if spec.strip()]
     if args.gluon_only and not gluon:
         raise SystemExit("--gluon-only: name the option sets with --gluon")
+    # The names, checked before any GPU work (any config stands in for the table's).
+    try:
+        fp8_variants(None if args.gluon_only else Fp8ForwardConfig(64, 64, 4, 3), True,
+                     gluon, tiles, args.skip_empty, args.reciprocals)
+    except ValueError as exc:
+        ap.error(str(exc))
     dev = torch.device("cuda")
     H, E, K, D, I = M.num_heads, M.num_experts, M.top_k, M.head_dim, M.expert_intermediate_size
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -98,19 +129,9 @@ def main() -> int:
         idx = torch.argsort(torch.rand(H, S, E, device=dev, generator=gen), dim=-1)[..., :K]
         probs = torch.rand(H, S, K, device=dev, generator=gen)
         layout = sort_routes_reference(probs, idx, E)
-        modes = {} if args.gluon_only else {"default": fp8_forward_config(dev, S * K / E)}
-        if args.gluon_only:
-            modes.update(gluon)
-        elif torch.cuda.get_device_capability(dev) == (9, 0):
-            modes["ws"] = Fp8ForwardConfig(128, 64, 4, 1, warp_specialized=True)
-            if args.skip_empty:
-                modes["ws skip"] = Fp8ForwardConfig(128, 64, 4, 1, warp_specialized=True,
-                                                    skip_empty_halves=True)
-            modes.update(gluon)
-        modes.update({f"{c.block_m}/{c.block_i}/{c.num_warps}/{c.num_stages}": c for c in tiles})
-        if args.reciprocals:
-            modes.update({f"{name} rcp": dataclasses.replace(c, reciprocals=True)
-                          for name, c in list(modes.items())})
+        modes = fp8_variants(None if args.gluon_only else fp8_forward_config(dev, S * K / E),
+                             torch.cuda.get_device_capability(dev) == (9, 0), gluon, tiles,
+                             args.skip_empty, args.reciprocals)
         variants = [("bf16", lambda x=x, lay=layout: triton_expert_forward(x, *lay, *w))]
         variants += [(name, lambda c=c, x=x, lay=layout:
                       triton_expert_forward_fp8(x, *lay, *fp8_args, config=c))

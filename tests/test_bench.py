@@ -103,8 +103,9 @@ def test_expert_backward_sweep_specs_refused_before_any_timing(monkeypatch):
 
     assert beb.sweep_specs(" rcp=1 ;; dx=64/32/4/3, st=8;") == ["rcp=1", "dx=64/32/4/3,st=8"]
     assert beb.sweep_specs("") == []
-    for bad, what in (("rcp=1;st=8;rcp=1", "given twice"), ("rcp=1,st=8;rcp=1, st=8", "twice"),
-                      ("default", "always timed"), ("rcp", "not key=value"),
+    for bad, what in (("rcp=1;st=8;rcp=1", "named .rcp=1."),
+                      ("rcp=1,st=8;rcp=1, st=8", "two variants"), ("default", "always timed"),
+                      ("rcp", "not key=value"),
                       ("rcp=1,st", "not key=value"), ("rcp=1=0", "not key=value"),
                       ("=1", "not key=value"), ("rcp=", "not key=value")):
         with pytest.raises(ValueError, match=what):
@@ -114,5 +115,54 @@ def test_expert_backward_sweep_specs_refused_before_any_timing(monkeypatch):
                            "--cpu", "--no-record", "--sweep", "rcp=1;rcp=1"],
                           capture_output=True, text=True, timeout=120, cwd=root,
                           env={**os.environ, "PYTHONPATH": str(root / "src")})
-    assert done.returncode == 2 and "given twice" in done.stderr, done.stderr[-500:]
+    assert done.returncode == 2 and "two variants" in done.stderr, done.stderr[-500:]
     assert done.stdout == "", done.stdout[-500:]
+
+
+def test_check_unique_and_the_fp8_benchmark_names(monkeypatch):
+    # mhmoe.bench.check_unique names the first repeat; bench_expert_fp8.py's variants
+    # would otherwise collide in a dict (--gluon rcp beside --reciprocals' copy of "ws"
+    # was timed under one label).
+    from pathlib import Path
+
+    from mhmoe.bench import check_unique
+    from mhmoe.kernels.tuning import Fp8ForwardConfig
+
+    check_unique(["a", "b", "c"], "--x")
+    with pytest.raises(ValueError, match="--x: two variants are named 'b'"):
+        check_unique(iter(["a", "b", "c", "b"]), "--x")
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_expert_fp8 as bf
+
+    table = Fp8ForwardConfig(64, 64, 4, 3)
+    gluon = [("rcp,chk", bf.parse_gluon("rcp,chk"))]
+    tiles = [bf.parse_tiles("64/64/8/2")]
+    names = bf.fp8_variants(table, True, gluon, tiles, True, True)
+    assert list(names) == ["default", "ws", "ws skip", "ws rcp,chk", "64/64/8/2",
+                           "default rcp", "ws rcp", "ws skip rcp", "ws rcp,chk rcp",
+                           "64/64/8/2 rcp"]
+    assert names["ws skip rcp"].reciprocals and names["ws skip rcp"].skip_empty_halves
+    assert names["ws rcp,chk"].chunked_x and not names["ws"].reciprocals
+    # Off sm_90 the Gluon variants drop out; --gluon-only keeps the sets alone.
+    assert list(bf.fp8_variants(table, False, gluon, tiles, True, False)) == [
+        "default", "64/64/8/2"]
+    assert list(bf.fp8_variants(None, True, gluon, [], False, False)) == ["ws rcp,chk"]
+    with pytest.raises(ValueError, match="'ws rcp'"):
+        bf.fp8_variants(table, True, [("rcp", bf.parse_gluon("rcp"))], [], False, True)
+    with pytest.raises(ValueError, match="'64/64/8/2'"):
+        bf.fp8_variants(table, True, [], tiles * 2, False, False)
+    # The scripts stop at their arguments (exit status 2), before they print anything.
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    for script, args in (("bench_expert_forward.py", ["--cpu", "--sweep", "64/32/4/4;64/32/4/4"]),
+                         ("bench_expert_fp8.py", ["--gluon", "rcp", "--reciprocals"])):
+        done = subprocess.run([sys.executable, str(root / "benchmarks" / script), "--no-record",
+                               *args], capture_output=True, text=True, timeout=120, cwd=root,
+                              env={**os.environ, "PYTHONPATH": str(root / "src")})
+        assert done.returncode == 2 and "two variants are named" in done.stderr, \
+            (script, done.stderr[-500:])
+        assert done.stdout == "", (script, done.stdout[-500:])

@@ -8,6 +8,7 @@ scripts in benchmarks/ count FLOPs and time kernels the same way:
     capture_graph(fn)                fn captured in a CUDA graph (side-stream warm-up)
     graph_ms(fn)                     fn captured once in a CUDA graph, replays timed
     interleaved([(name, fn), ...])   variants taking turns in shuffled rounds, for A/Bs
+    check_unique(names, what)        refuse two variants of one name, before the setup
                                      under the H200's power cap (docs/measuring.md)
     append_results(rows)             rows appended to benchmarks/results.jsonl
     script_command(script, argv)     the shell line that reruns a benchmark, for its rows
@@ -159,6 +160,18 @@ class Interleaved:
 
     median_ms: float
     round_medians_ms: list[float]
+
+
+def check_unique(names: Iterable[str], what: str) -> None:
+    """ValueError naming the first name given twice: a benchmark times and records each
+    variant under its own name, so two variants of one name would be refused by
+    `interleaved` (or merged by a dict) only after the setup; benchmarks call this while
+    they read their arguments. what: the flags the names come from, for the message."""
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            raise ValueError(f"{what}: two variants are named {name!r}")
+        seen.add(name)
 
 
 def interleaved(variants: Sequence[tuple[str, Callable[[], object]]], *, rounds: int = 20,
