@@ -70,11 +70,12 @@ def parse_gluon(spec: str) -> Fp8ForwardConfig:
 def fp8_variants(default: Fp8ForwardConfig | None, sm90: bool, gluon: list, tiles: list,
                  skip_empty: bool, reciprocals: bool) -> dict[str, Fp8ForwardConfig]:
     """The fp8 configs timed beside the bf16 kernel, by name: `default` (the table's;
-    None with --gluon-only, which times the --gluon sets alone), on sm_90 the Gluon
-    kernel "ws" (and "ws skip"), the --gluon sets ("ws SPEC", pairs from `parse_gluon`),
-    the --tiles ("m/i/w/s"), and with --reciprocals an " rcp" copy of each. ValueError
-    where two share a name (e.g. --gluon rcp beside --reciprocals' copy of "ws"), which a
-    dict would merge, timing one under the other's label."""
+    None with --gluon-only, which leaves out it and "ws"), on sm_90 the Gluon kernel
+    "ws" (and "ws skip"), the --gluon sets ("ws SPEC", pairs from `parse_gluon`; with
+    --gluon-only on any card), the --tiles ("m/i/w/s"), and with --reciprocals an " rcp"
+    copy of each. ValueError where two share a name (e.g. --gluon rcp beside
+    --reciprocals' copy of "ws"), which a dict would merge, timing one under the other's
+    label."""
     pairs = [] if default is None else [("default", default)]
     if default is not None and sm90:
         pairs.append(("ws", Fp8ForwardConfig(128, 64, 4, 1, warp_specialized=True)))
@@ -106,9 +107,11 @@ def main() -> int:
              if spec.strip()]
     if args.gluon_only and not gluon:
         raise SystemExit("--gluon-only: name the option sets with --gluon")
-    # The names, checked before any GPU work (any config stands in for the table's).
+    # The names, checked before any GPU work (any config stands in for the table's; with
+    # no GPU visible, as if on sm_90, whose names include the others').
+    sm90 = not torch.cuda.is_available() or torch.cuda.get_device_capability() == (9, 0)
     try:
-        fp8_variants(None if args.gluon_only else Fp8ForwardConfig(64, 64, 4, 3), True,
+        fp8_variants(None if args.gluon_only else Fp8ForwardConfig(64, 64, 4, 3), sm90,
                      gluon, tiles, args.skip_empty, args.reciprocals)
     except ValueError as exc:
         ap.error(str(exc))

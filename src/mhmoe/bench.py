@@ -8,8 +8,8 @@ scripts in benchmarks/ count FLOPs and time kernels the same way:
     capture_graph(fn)                fn captured in a CUDA graph (side-stream warm-up)
     graph_ms(fn)                     fn captured once in a CUDA graph, replays timed
     interleaved([(name, fn), ...])   variants taking turns in shuffled rounds, for A/Bs
-    check_unique(names, what)        refuse two variants of one name, before the setup
                                      under the H200's power cap (docs/measuring.md)
+    check_unique(names, what)        refuse two variants of one name, before the setup
     append_results(rows)             rows appended to benchmarks/results.jsonl
     script_command(script, argv)     the shell line that reruns a benchmark, for its rows
     rel_err(out, ref)                relative error (Frobenius norms) in float64
