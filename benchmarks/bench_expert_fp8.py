@@ -133,8 +133,7 @@ def main() -> int:
         probs = torch.rand(H, S, K, device=dev, generator=gen)
         layout = sort_routes_reference(probs, idx, E)
         modes = fp8_variants(None if args.gluon_only else fp8_forward_config(dev, S * K / E),
-                             torch.cuda.get_device_capability(dev) == (9, 0), gluon, tiles,
-                             args.skip_empty, args.reciprocals)
+                             sm90, gluon, tiles, args.skip_empty, args.reciprocals)
         variants = [("bf16", lambda x=x, lay=layout: triton_expert_forward(x, *lay, *w))]
         variants += [(name, lambda c=c, x=x, lay=layout:
                       triton_expert_forward_fp8(x, *lay, *fp8_args, config=c))
